@@ -1,0 +1,122 @@
+"""Optimizer step time and inter-node bytes on T5-small's parameter shapes (60.5M parameters).
+
+    # one process: optimizer compute only
+    python benchmarks/optimizer_step.py
+    # two replicas (one process each, gloo on loopback): adds the real exchange
+    torchrun --standalone --nproc-per-node 2 benchmarks/optimizer_step.py
+
+The AdamW baseline with replicas also all-reduces the gradients (what HSDP does between
+nodes). Times are medians over ``--repeats`` runs of ``--steps`` steps, after one warm-up
+run; DiLoCo uses H = ``--steps``, so each run holds one outer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import T5Config, T5ForConditionalGeneration
+
+from hf_flexdemo import FlexDeMo
+from hf_flexdemo.wire import ring_all_reduce_bytes
+
+CONFIGS = {
+    "adamw": None,
+    "flexdemo demo": dict(scheme="demo"),
+    "flexdemo demo bf16 values": dict(scheme="demo", value_dtype="bf16"),
+    "flexdemo random": dict(scheme="random"),
+    "flexdemo striding": dict(scheme="striding"),
+    "flexdemo diloco (H=--steps)": dict(scheme="diloco"),
+    "flexdemo full": dict(scheme="full"),
+}
+
+
+def t5_small_shapes() -> list[torch.Size]:
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(T5Config())  # t5-small's sizes
+    return [p.shape for p in model.parameters()]
+
+
+def run_config(name, kwargs, shapes, mesh, steps, repeats, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
+    grads = [torch.randn(s, generator=g) * 1e-3 for s in shapes]
+    replicas = mesh.size() if mesh is not None else 1
+    if kwargs is None:
+        opt = torch.optim.AdamW(params, lr=1e-4)
+    else:
+        # DiLoCo: one outer step per timed run of `steps`, so time and bytes are amortized over H.
+        extra = {"inner_steps": steps} if kwargs.get("scheme") == "diloco" else {}
+        opt = FlexDeMo(params, lr=1e-4, mesh=mesh, **kwargs, **extra)
+
+    def step():
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone() if kwargs is None else grad
+        if kwargs is None and replicas > 1:
+            for p in params:  # HSDP's inter-node gradient all-reduce
+                dist.all_reduce(p.grad, group=mesh.get_group())
+        opt.step()
+
+    for _ in range(steps):  # warm-up: one run
+        step()
+    times = []
+    for _ in range(repeats):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        times.append((time.perf_counter() - start) / steps)
+    grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+    dense = ring_all_reduce_bytes(grad_bytes, max(replicas, 2))
+    if kwargs is None:
+        sent = dense if replicas > 1 else None
+    else:
+        sent = (opt.total_stats.bytes_sent / (steps * (repeats + 1))) if replicas > 1 else None
+    return {"name": name, "step_s": statistics.median(times), "runs": times, "bytes_sent": sent, "dense_bytes": dense}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", nargs="*", help="config names to run (default: all)")
+    parser.add_argument("--json", help="write the results here (rank 0)")
+    args = parser.parse_args()
+
+    mesh = None
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("replicate",))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    shapes = t5_small_shapes()
+    n_params = sum(torch.Size(s).numel() for s in shapes)
+    results = []
+    for name, kwargs in CONFIGS.items():
+        if args.only and name not in args.only:
+            continue
+        results.append(run_config(name, kwargs, shapes, mesh, args.steps, args.repeats))
+        if rank == 0:
+            r = results[-1]
+            sent = f"{r['bytes_sent'] / 1e6:9.2f} MB" if r["bytes_sent"] is not None else "        n/a"
+            ratio = f"{r['dense_bytes'] / r['bytes_sent']:7.1f}x" if r["bytes_sent"] else "     n/a"
+            print(f"{r['name']:28s} step {r['step_s'] * 1e3:8.1f} ms   sent/step {sent}   vs dense {ratio}", flush=True)
+    if rank == 0:
+        replicas = mesh.size() if mesh is not None else 1
+        print(f"\n{n_params / 1e6:.1f}M parameters (T5-small shapes), {replicas} replica(s), "
+              f"{torch.get_num_threads()} threads per process")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"params": n_params, "replicas": replicas, "results": results}, f, indent=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

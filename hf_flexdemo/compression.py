@@ -1,0 +1,190 @@
+"""Chunked DCT, top-k selection and sparse decoding: the tensor maths of DeMo.
+
+Nothing here talks to other processes. A tensor of any rank is viewed as a matrix
+(``rows = shape[0]``, ``cols = product of the other dims``; a 1-D tensor is one row),
+cut into ``tile_rows x tile_cols`` tiles, and each tile goes through an orthonormal
+DCT-II. A tile side is the largest divisor of its dimension that is not above
+``chunk``, so any shape tiles exactly (a prime dimension gets tiles of side 1).
+
+Coefficients live in a *coefficient matrix* shaped like the tensor's matrix view, each
+tile's coefficients in place of its entries; :func:`tiles` regroups them one tile per row
+for top-k. Indices sent on the wire are positions inside a tile (row-major).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+DECODE_MODES = ("selected", "mean")
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` that is not above ``limit`` (1 for n <= 1)."""
+    for d in range(min(n, limit), 1, -1):
+        if n % d == 0:
+            return d
+    return 1
+
+
+def index_dtype_for(tile_size: int) -> torch.dtype:
+    """The smallest integer dtype that holds every position in a tile of ``tile_size``."""
+    if tile_size <= 2**8:
+        return torch.uint8
+    if tile_size <= 2**16:
+        return torch.uint16
+    return torch.int32
+
+
+def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Transforms run in float32 at least; 16-bit inputs would lose the small coefficients."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@functools.lru_cache(maxsize=64)
+def dct_matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Orthonormal DCT-II matrix ``C`` (``n x n``): coefficients are ``C @ x``, and ``C.T`` inverts it."""
+    i = torch.arange(n, dtype=torch.float64)
+    c = torch.cos(math.pi * (2 * i[None, :] + 1) * i[:, None] / (2 * n)) * math.sqrt(2.0 / n)
+    c[0] /= math.sqrt(2.0)
+    return c.to(dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How one tensor is tiled and compressed."""
+
+    rows: int
+    cols: int
+    tile_rows: int
+    tile_cols: int
+    k: int
+    """Coefficients kept per tile: ``min(topk, tile_size)``."""
+
+    @classmethod
+    def for_shape(cls, shape: Sequence[int], chunk: int, topk: int) -> ChunkPlan:
+        if len(shape) == 0:
+            rows, cols = 1, 1
+        elif len(shape) == 1:
+            rows, cols = 1, shape[0]
+        else:
+            rows, cols = shape[0], math.prod(shape[1:])
+        tile_rows = largest_divisor_at_most(rows, chunk)
+        tile_cols = largest_divisor_at_most(cols, chunk)
+        return cls(rows, cols, tile_rows, tile_cols, min(topk, tile_rows * tile_cols))
+
+    @property
+    def tile_size(self) -> int:
+        return self.tile_rows * self.tile_cols
+
+    @property
+    def n_tiles(self) -> int:
+        if self.rows == 0 or self.cols == 0:
+            return 0
+        return (self.rows // self.tile_rows) * (self.cols // self.tile_cols)
+
+    @property
+    def index_dtype(self) -> torch.dtype:
+        return index_dtype_for(self.tile_size)
+
+    def _grid(self) -> tuple[int, int, int, int]:
+        return self.rows // self.tile_rows, self.cols // self.tile_cols, self.tile_rows, self.tile_cols
+
+
+def _dct_pair(plan: ChunkPlan, dtype: torch.dtype, device: torch.device):
+    return dct_matrix(plan.tile_rows, dtype, device), dct_matrix(plan.tile_cols, dtype, device)
+
+
+def to_coefficients(x: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """DCT-II of every tile of ``x``, laid out in place: a ``(rows, cols)`` coefficient matrix.
+
+    Coefficient ``(i, j)`` of the tile at block ``(r, c)`` sits at row ``r * tile_rows + i``,
+    column ``c * tile_cols + j``. The transform is separable, so it runs as two matrix
+    products on contiguous views, with no tile permutation. Computed in float32 or wider.
+    """
+    dtype = compute_dtype_for(x.dtype)
+    left, right = _dct_pair(plan, dtype, x.device)
+    y = x.reshape(plan.rows, plan.cols).to(dtype)
+    if plan.tile_rows > 1:
+        y = torch.matmul(left, y.view(plan.rows // plan.tile_rows, plan.tile_rows, plan.cols))
+    if plan.tile_cols > 1:
+        y = torch.matmul(y.reshape(plan.rows, plan.cols // plan.tile_cols, plan.tile_cols), right.T)
+    return y.reshape(plan.rows, plan.cols)
+
+
+def from_coefficients(coefficients: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """Inverse of :func:`to_coefficients`: a ``(rows, cols)`` matrix in the coefficients' dtype."""
+    left, right = _dct_pair(plan, coefficients.dtype, coefficients.device)
+    y = coefficients.reshape(plan.rows, plan.cols)
+    if plan.tile_rows > 1:
+        y = torch.matmul(left.T, y.reshape(plan.rows // plan.tile_rows, plan.tile_rows, plan.cols))
+    if plan.tile_cols > 1:
+        y = torch.matmul(y.reshape(plan.rows, plan.cols // plan.tile_cols, plan.tile_cols), right)
+    return y.reshape(plan.rows, plan.cols)
+
+
+def _tile_view(coefficients: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """``(grid_r, grid_c, tile_rows, tile_cols)`` view of the coefficient matrix (no copy)."""
+    grid_r, grid_c, a, b = plan._grid()
+    return coefficients.reshape(grid_r, a, grid_c, b).transpose(1, 2)
+
+
+def tiles(coefficients: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """The coefficient matrix regrouped as ``(n_tiles, tile_size)``, one tile per row (a copy if needed)."""
+    return _tile_view(coefficients, plan).reshape(plan.n_tiles, plan.tile_size)
+
+
+def flat_positions(indices: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """Positions in the flattened coefficient matrix of tile-local ``indices`` (``(n_tiles, k)``)."""
+    grid_r, grid_c, a, b = plan._grid()
+    indices = indices.long()
+    tile = torch.arange(plan.n_tiles, device=indices.device).unsqueeze(1)
+    row = (tile // grid_c) * a + indices // b
+    col = (tile % grid_c) * b + indices % b
+    return (row * plan.cols + col).reshape(-1)
+
+
+def select_topk(coefficients: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``plan.k`` largest-magnitude coefficients of every tile: ``(tile-local int64 indices, values)``."""
+    magnitudes = torch.empty(plan.n_tiles, plan.tile_size, dtype=coefficients.dtype, device=coefficients.device)
+    grid_r, grid_c, a, b = plan._grid()
+    # One pass: regroup into tiles and take magnitudes together.
+    torch.abs(_tile_view(coefficients, plan), out=magnitudes.view(grid_r, grid_c, a, b))
+    _, indices = magnitudes.topk(plan.k, dim=1, sorted=False)
+    values = coefficients.reshape(-1)[flat_positions(indices, plan)].view(indices.shape)
+    return indices, values
+
+
+def sparse_to_matrix(indices: torch.Tensor, values: torch.Tensor, plan: ChunkPlan, dtype: torch.dtype) -> torch.Tensor:
+    """A dense ``(rows, cols)`` coefficient matrix holding one replica's sparse part."""
+    dense = torch.zeros(plan.rows * plan.cols, dtype=dtype, device=values.device)
+    dense[flat_positions(indices, plan)] = values.reshape(-1).to(dtype)
+    return dense.view(plan.rows, plan.cols)
+
+
+def decode_replicas(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]], plan: ChunkPlan, mode: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """Average the sparse parts of all replicas into a dense ``(rows, cols)`` coefficient matrix.
+
+    ``mode="selected"`` divides each coefficient by the number of replicas that sent it
+    (DeMo's decoding); ``mode="mean"`` divides by the number of replicas. Replicas are
+    added in the order given, one at a time, with no atomics: every process that decodes
+    the same parts gets bitwise the same result.
+    """
+    device = parts[0][1].device
+    total = torch.zeros(plan.rows * plan.cols, dtype=dtype, device=device)
+    # One replica: each coefficient was picked at most once, so both modes divide by one.
+    count = torch.zeros_like(total) if mode == "selected" and len(parts) > 1 else None
+    for indices, values in parts:
+        where = flat_positions(indices, plan)
+        # Positions are unique within one replica's part, so each value is added exactly once.
+        total[where] += values.reshape(-1).to(dtype)
+        if count is not None:
+            count[where] += 1
+    total = total.div_(count.clamp_(min=1)) if count is not None else total.div_(len(parts))
+    return total.view(plan.rows, plan.cols)

@@ -1,0 +1,194 @@
+"""FlexDeMo's hyperparameters: one dataclass, one validation, shared by the optimizer and the Trainer.
+
+The same names work as keyword arguments of :class:`hf_flexdemo.FlexDeMo` and as keys of
+``TrainingArguments(optim_args="topk=32,chunk=64,scheme=demo")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SCHEMES = ("demo", "random", "striding", "diloco", "full", "none")
+DECODE_MODES = ("selected", "mean")
+VALUE_DTYPES: dict[str, torch.dtype | None] = {
+    "param": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+PER_STEP_SCHEMES = ("demo", "random", "striding", "full")
+
+GROUP_KEYS = ("lr", "weight_decay", "decay", "topk", "chunk", "sign", "betas", "eps")
+"""Hyperparameters that may differ between parameter groups; the rest hold for the whole optimizer."""
+
+
+@dataclass
+class FlexDeMoConfig:
+    """Hyperparameters of FlexDeMo and its replication schemes.
+
+    Example::
+
+        FlexDeMoConfig(lr=3e-4, topk=32, chunk=64, scheme="demo")
+        FlexDeMoConfig.from_optim_args("scheme=diloco,inner_steps=50")
+    """
+
+    lr: float = field(default=1e-3, metadata={"help": "Step size: parameters move by lr * sign(update)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay: p *= 1 - lr * wd."})
+    decay: float = field(default=0.999, metadata={"help": "Momentum decay beta: m = beta * m + lr * grad."})
+    topk: int = field(default=32, metadata={"help": "DCT coefficients sent per tile (demo)."})
+    chunk: int = field(default=64, metadata={"help": "Largest tile side of the chunked DCT (demo)."})
+    sign: bool = field(default=True, metadata={"help": "Apply the sign of the decoded update."})
+    decode: str = field(
+        default="selected",
+        metadata={"help": "demo: average a coefficient over the replicas that sent it ('selected') or all ('mean')."},
+    )
+    value_dtype: str = field(
+        default="param", metadata={"help": "dtype of values on the wire: 'param', 'bf16', 'fp16' or 'fp32'."}
+    )
+    scheme: str = field(default="demo", metadata={"help": f"Replication scheme, one of {SCHEMES}."})
+    replicate_every: int = field(
+        default=1, metadata={"help": "Per-step schemes: replicate every N optimizer steps, accumulate in between."}
+    )
+    rate: float = field(
+        default=1 / 128, metadata={"help": "random/striding: fraction of momentum entries sent per replication."}
+    )
+    seed: int = field(default=0, metadata={"help": "random: seed shared by all replicas to pick the same entries."})
+    inner_steps: int = field(default=100, metadata={"help": "diloco: H, the local steps between outer steps."})
+    outer_lr: float = field(default=0.7, metadata={"help": "diloco: learning rate of the outer Nesterov SGD."})
+    outer_momentum: float = field(default=0.9, metadata={"help": "diloco: momentum of the outer Nesterov SGD."})
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "diloco: inner AdamW betas."})
+    eps: float = field(default=1e-8, metadata={"help": "diloco: inner AdamW epsilon."})
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        validate_group(dataclasses.asdict(self))
+        _check_choice("scheme", self.scheme, SCHEMES)
+        _check_choice("decode", self.decode, DECODE_MODES)
+        _check_choice("value_dtype", self.value_dtype, tuple(VALUE_DTYPES))
+        _check_int("replicate_every", self.replicate_every, low=1)
+        if self.replicate_every != 1 and self.scheme not in PER_STEP_SCHEMES:
+            raise ValueError(
+                f"FlexDeMo: replicate_every={self.replicate_every} applies to the per-step schemes "
+                f"{PER_STEP_SCHEMES}, not to scheme={self.scheme!r}; leave it at 1"
+                + (" and set inner_steps instead." if self.scheme == "diloco" else ".")
+            )
+        _check_float("rate", self.rate, low=0.0, high=1.0, low_open=True)
+        _check_int("seed", self.seed, low=0)
+        _check_int("inner_steps", self.inner_steps, low=1)
+        _check_float("outer_lr", self.outer_lr, low=0.0)
+        _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype values travel in, or None for the parameter's own dtype."""
+        return VALUE_DTYPES[self.value_dtype]
+
+    def group_defaults(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in GROUP_KEYS}
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_optim_args(cls, text: str | None, **base: Any) -> FlexDeMoConfig:
+        """Parse ``"key=value,key=value"`` (the Trainer's ``optim_args``) on top of ``base``."""
+        return cls(**{**base, **parse_optim_args(text)})
+
+
+def parse_optim_args(text: str | None) -> dict[str, Any]:
+    """``"topk=32,sign=false,betas=0.9:0.95"`` -> typed values; unknown keys are an error."""
+    values: dict[str, Any] = {}
+    if not text:
+        return values
+    known = {f.name: f for f in dataclasses.fields(FlexDeMoConfig)}
+    for item in text.replace(" ", "").split(","):
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"FlexDeMo optim_args: {item!r} is not of the form key=value.")
+        if key not in known:
+            raise ValueError(f"FlexDeMo optim_args: unknown key {key!r}; known keys are {sorted(known)}.")
+        values[key] = _parse_value(key, raw, known[key].default)
+    return values
+
+
+def _parse_value(key: str, raw: str, default: Any) -> Any:
+    try:
+        if isinstance(default, bool):
+            if raw.lower() in ("true", "1", "yes"):
+                return True
+            if raw.lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return _parse_float(raw)
+        if isinstance(default, tuple):
+            return tuple(_parse_float(x) for x in raw.split(":"))
+    except ValueError:
+        kind = "a pair like 0.9:0.999" if isinstance(default, tuple) else type(default).__name__
+        raise ValueError(f"FlexDeMo optim_args: {key}={raw!r} is not {kind}.") from None
+    return raw
+
+
+def _parse_float(raw: str) -> float:
+    if "/" in raw:  # allow rate=1/128
+        num, den = raw.split("/")
+        return float(num) / float(den)
+    return float(raw)
+
+
+def validate_group(group: dict[str, Any]) -> None:
+    """Check the per-group hyperparameters; raises ValueError naming the setting, value and range."""
+    _check_float("lr", group["lr"], low=0.0)
+    _check_float("weight_decay", group["weight_decay"], low=0.0)
+    _check_float("decay", group["decay"], low=0.0, high=1.0, high_open=True)
+    _check_int("chunk", group["chunk"], low=1)
+    _check_int("topk", group["topk"], low=1, high=group["chunk"] ** 2, why=" (at most chunk * chunk, a full tile)")
+    if not isinstance(group["sign"], bool):
+        raise ValueError(f"FlexDeMo: sign={group['sign']!r} is invalid; sign must be True or False.")
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"FlexDeMo: betas={betas!r} is invalid; betas must be a pair (beta1, beta2).")
+    for i, beta in enumerate(betas):
+        _check_float(f"betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
+    _check_float("eps", group["eps"], low=0.0, low_open=True)
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"FlexDeMo: {name}={value!r} is invalid; {name} must be one of {allowed}.")
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"FlexDeMo: {name}={value!r} is invalid; {name} must be an integer.")
+    if value < low or (high is not None and value > high):
+        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"FlexDeMo: {name}={value} is invalid; {name} must be an integer {allowed}{why}.")
+
+
+def _check_float(
+    name: str,
+    value: Any,
+    low: float,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"FlexDeMo: {name}={value!r} is invalid; {name} must be a number.")
+    bad_low = value <= low if low_open else value < low
+    bad_high = high is not None and (value >= high if high_open else value > high)
+    if bad_low or bad_high:
+        lo = f"{'(' if low_open else '['}{low}"
+        hi = f"{high}{')' if high_open else ']'}" if high is not None else "inf)"
+        raise ValueError(f"FlexDeMo: {name}={value} is invalid; {name} must be in {lo}, {hi}.")

@@ -1,0 +1,188 @@
+"""The Accelerate plugin: FSDP2 inside a node, FlexDeMo between nodes.
+
+Accelerate has no extension point for either job below, so :func:`install` wraps two of
+its methods (idempotently, once per process; ``import hf_flexdemo`` calls it):
+
+- ``AcceleratorState.__init__``: on a machine without a GPU, Accelerate turns
+  ``distributed_type: FSDP`` into plain multi-CPU DDP without a word. The plugin keeps
+  FSDP2 on (gloo), and refuses FSDP1 there, whose ``HYBRID_SHARD`` would silently train
+  unsynchronized copies on CPU.
+- ``Accelerator.prepare``: when the optimizer being prepared is FlexDeMo, FSDP2 shards
+  on the intra-node mesh dimension only (so FSDP never all-reduces gradients across
+  nodes) and FlexDeMo gets the replicate dimension. Any other optimizer gets Accelerate's
+  ordinary layout (HSDP when ``dp_replicate_size > 1``). FlexDeMo without FSDP2 in a
+  multi-process job is refused. Under FSDP2 it also makes T5-style tied embedding
+  modules one module, which FSDP2 requires.
+
+Layout: ``parallelism_config`` in the Accelerate YAML sets it; without one, FlexDeMo uses
+nodes x processes-per-node (``WORLD_SIZE / LOCAL_WORLD_SIZE`` x ``LOCAL_WORLD_SIZE``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.parallelism_config import ParallelismConfig
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType
+
+from ..optim import FlexDeMo
+from ._patching import wrap_method
+
+logger = logging.getLogger(__name__)
+
+REPLICATE_DIM = "dp_replicate"
+
+
+class _ShardOnlyLayout(ParallelismConfig):
+    """Accelerate's layout with FSDP restricted to the intra-node dimensions."""
+
+    @property
+    def fsdp_dim_names(self):
+        return [name for name in super().fsdp_dim_names if name != REPLICATE_DIM]
+
+
+def find_flexdemo(objects) -> FlexDeMo | None:
+    """The FlexDeMo optimizer among ``objects`` (unwrapping Accelerate's optimizer wrapper)."""
+    for obj in objects:
+        inner = getattr(obj, "optimizer", obj)
+        if isinstance(inner, FlexDeMo):
+            return inner
+    return None
+
+
+@contextlib.contextmanager
+def _shard_only(config: ParallelismConfig):
+    original = config.__class__
+    config.__class__ = _ShardOnlyLayout
+    try:
+        yield
+    finally:
+        config.__class__ = original
+
+
+def default_layout() -> tuple[int, int]:
+    """(nodes, processes per node) of this launch."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if world % local:
+        raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
+    return world // local, local
+
+
+def _ensure_layout(accelerator: Accelerator) -> ParallelismConfig:
+    """The accelerator's parallelism config; FlexDeMo's default hybrid one when there is none."""
+    config = accelerator.parallelism_config
+    if config is not None and config.total_size > 1 and (config.dp_replicate_enabled or config.dp_shard_enabled):
+        if config.tp_enabled or config.cp_enabled or config.sp_enabled:
+            raise ValueError(
+                "FlexDeMo supports data parallelism only (dp_replicate x dp_shard); the parallelism_config "
+                f"also sets tp/cp/sp: {config}."
+            )
+        return config
+    nodes, per_node = default_layout()
+    config = ParallelismConfig(dp_replicate_size=nodes, dp_shard_size=per_node)
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
+    logger.info("FlexDeMo: no parallelism_config given; using %d nodes x %d processes per node.", nodes, per_node)
+    return config
+
+
+def share_tied_embedding_modules(model: torch.nn.Module) -> int:
+    """Make embedding modules that share the input embedding's weight the same module object.
+
+    FSDP2 refuses a weight reachable from two FSDP groups (T5's ``encoder.embed_tokens``
+    and ``decoder.embed_tokens`` both hold ``shared.weight``). Returns how many were replaced.
+    """
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if get else None
+    if embedding is None:
+        return 0
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if module is not embedding and isinstance(module, torch.nn.Embedding) and module.weight is embedding.weight:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, attr, embedding)
+            replaced += 1
+    return replaced
+
+
+def _prepare(original, self: Accelerator, *args, **kwargs):
+    if self.is_fsdp2:
+        for obj in args:
+            if isinstance(obj, torch.nn.Module):
+                share_tied_embedding_modules(obj)
+    flexdemo = find_flexdemo(args)
+    if flexdemo is None:
+        return original(self, *args, **kwargs)
+    if self.num_processes == 1:
+        flexdemo.attach(None)
+        return original(self, *args, **kwargs)
+    if not self.is_fsdp2:
+        plugin = getattr(self.state, "fsdp_plugin", None)
+        hint = (
+            " FSDP version 1 is not supported: set `fsdp_config: {fsdp_version: 2}` and give the hybrid layout as "
+            "`parallelism_config: {parallelism_config_dp_replicate_size: <nodes>, "
+            "parallelism_config_dp_shard_size: <processes per node>}` instead of fsdp_sharding_strategy."
+            if plugin is not None
+            else " Use an Accelerate config with `distributed_type: FSDP` and `fsdp_config: {fsdp_version: 2}`."
+        )
+        raise ValueError(
+            f"FlexDeMo needs FSDP2 inside each node, but Accelerate runs {self.distributed_type} "
+            f"with {self.num_processes} processes, which would all-reduce every gradient densely.{hint}"
+        )
+    if self.mixed_precision == "fp16":
+        raise ValueError(
+            "FlexDeMo with mixed_precision='fp16' is refused: the loss scaler skips steps per process, and "
+            "replicas that skip differently fall out of step. Use mixed_precision='bf16'."
+        )
+    config = _ensure_layout(self)
+    with _shard_only(config):
+        result = original(self, *args, **kwargs)
+    if config.dp_replicate_enabled:
+        flexdemo.attach(self.torch_device_mesh, replicate_dim=REPLICATE_DIM)
+    else:
+        flexdemo.attach(None)  # one node: FlexDeMo runs with a single replica
+    logger.info(
+        "FlexDeMo: FSDP2 shards over %d processes per node; %d replicas exchange %r across nodes.",
+        config.dp_shard_size,
+        config.dp_replicate_size,
+        flexdemo.config.scheme,
+    )
+    return result
+
+
+def _keep_fsdp_on_cpu(original, self: AcceleratorState, *args, **kwargs):
+    original(self, *args, **kwargs)
+    plugin = kwargs.get("fsdp_plugin")
+    if plugin is None or self.distributed_type != DistributedType.MULTI_CPU:
+        return
+    if plugin.fsdp_version != 2:
+        raise ValueError(
+            "FSDP version 1 is refused on CPU: its HYBRID_SHARD falls back to unsynchronized copies there. "
+            "Use FSDP2: `fsdp_config: {fsdp_version: 2}` and, for a hybrid layout, "
+            "`parallelism_config: {parallelism_config_dp_replicate_size: <nodes>, "
+            "parallelism_config_dp_shard_size: <processes per node>}` instead of fsdp_sharding_strategy."
+        )
+    self.distributed_type = DistributedType.FSDP
+    self.fsdp_plugin = plugin
+    if self._mixed_precision != "no":
+        plugin.set_mixed_precision(self._mixed_precision)
+    # AcceleratorState() copies PartialState's type back on every construction: set both.
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Wrap the two Accelerate methods (idempotent)."""
+    global _INSTALLED
+    if not _INSTALLED:
+        wrap_method(AcceleratorState, "__init__", _keep_fsdp_on_cpu)
+        wrap_method(Accelerator, "prepare", _prepare)
+        _INSTALLED = True

@@ -1,0 +1,160 @@
+"""FlexDeMoCallback: FlexDeMo's part of the Trainer loop.
+
+- **Checks before training** (Trainer construction): ``optim_args`` are parsed and
+  validated, and fp16 is refused.
+- **Attaches and reports** at train start: the optimizer must have its replicate group
+  (the Accelerate plugin attaches it in ``accelerator.prepare``).
+- **Owns the replication schedule at step boundaries**: per-step schemes replicate inside
+  ``optimizer.step()``; for DiLoCo the callback runs an extra outer step before every
+  checkpoint save and at the end, so that saved and final models are the replicas' average
+  (replicas differ between outer steps).
+- **Logs** the inter-node figures of node 0 at every logging step, into the Trainer logs
+  (console, wandb, TensorBoard, ``log_history``): ``flexdemo/bytes_sent_per_step``,
+  cumulative ``flexdemo/bytes_sent`` and ``flexdemo/bytes_received``,
+  ``flexdemo/dense_bytes`` (what HSDP's dense all-reduce would have sent) and
+  ``flexdemo/compression_ratio``.
+- **Checks replicas** at every logging step (and every ``check_every`` steps, if set):
+  replicas that should hold the same parameters are compared by checksum, and training
+  stops with an error if they drifted.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from ..optim import FlexDeMo
+
+logger = logging.getLogger(__name__)
+
+
+
+class ReplicaDriftError(RuntimeError):
+    """Replicas that should be identical hold different parameters."""
+
+
+def unwrap_flexdemo(optimizer) -> FlexDeMo | None:
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if isinstance(inner, FlexDeMo) else None
+
+
+class FlexDeMoCallback(TrainerCallback):
+    """Routes FlexDeMo's inter-node step in the Trainer. Added to every Trainer by ``import hf_flexdemo``.
+
+    Args:
+        check_every: also compare replicas every this many steps (besides logging steps);
+            ``0`` compares at logging steps only.
+    """
+
+    def __init__(self, check_every: int = 0):
+        if check_every < 0:
+            raise ValueError(f"FlexDeMoCallback: check_every={check_every} is invalid; it must be >= 0.")
+        self.check_every = check_every
+        self._optimizer: FlexDeMo | None = None
+        self._node_group = None
+        self._last = None  # (global_step, totals) at the last log
+        self._pending: dict[str, float] = {}
+
+    # -- before training -----------------------------------------------------------------
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw):
+        from .trainer import flexdemo_kwargs, is_flexdemo
+
+        if not is_flexdemo(args):
+            return
+        flexdemo_kwargs(args)  # bad optim_args fail here, before any data is loaded
+        if args.fp16:
+            raise ValueError(
+                "FlexDeMo with fp16=True is refused: the loss scaler skips steps per process, and replicas that "
+                "skip differently fall out of step. Use bf16=True."
+            )
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kw):
+        self._optimizer = unwrap_flexdemo(optimizer)
+        if self._optimizer is None:
+            return
+        opt = self._optimizer
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if not opt.is_attached and world > 1:
+            raise RuntimeError(
+                "FlexDeMo has no replicate group at train start. `import hf_flexdemo` before the Trainer is "
+                "created and launch with an FSDP2 Accelerate config (see accelerate_configs/)."
+            )
+        topo = opt.topology
+        if topo.mesh is not None:
+            names = [n for n in topo.mesh.mesh_dim_names if n != topo.replicate_dim]
+            self._node_group = topo.mesh[names[0]].get_group() if names else None
+        if not opt.replicas_should_match and opt.scheme.name == "none":
+            logger.warning("FlexDeMo scheme='none': replicas are not synchronized and will drift apart.")
+        if state.is_world_process_zero:
+            logger.info("FlexDeMo: %d replica(s), scheme=%r, %s", topo.size, opt.config.scheme, opt.config)
+        self._last = (state.global_step, self._node_totals())
+
+    # -- every step ----------------------------------------------------------------------
+
+    def on_step_end(self, args, state, control, **kw):
+        opt = self._optimizer
+        if opt is None:
+            return
+        if control.should_save or state.global_step >= state.max_steps:
+            opt.synchronize()  # DiLoCo: save and finish with the replicas' average
+        check = self.check_every and state.global_step % self.check_every == 0
+        if control.should_log or check:
+            self.assert_replicas_in_sync(state.global_step)
+        if control.should_log:
+            self._pending = self._figures(state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if self._optimizer is None or not self._pending or logs is None or "loss" not in logs:
+            return
+        logs.update(self._pending)
+        if state.log_history:
+            state.log_history[-1].update(self._pending)
+        self._pending = {}
+
+    def on_train_end(self, args, state, control, **kw):
+        if self._optimizer is not None:
+            self._optimizer.synchronize()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def assert_replicas_in_sync(self, step: int) -> None:
+        opt = self._optimizer
+        if not opt.replicas_should_match:
+            return
+        prints = opt.replica_fingerprints()
+        if len(set(prints)) > 1:
+            raise ReplicaDriftError(
+                f"FlexDeMo: replicas hold different parameters at step {step} (checksums {prints} on replica "
+                f"group of rank {dist.get_rank() if dist.is_initialized() else 0}). They must stay bitwise "
+                "identical; this points at non-deterministic kernels or a process that skipped a step."
+            )
+
+    def _node_totals(self) -> torch.Tensor:
+        """This node's cumulative (sent, received, dense) bytes: the sum over its processes."""
+        stats = self._optimizer.total_stats
+        totals = torch.tensor([stats.bytes_sent, stats.bytes_received, stats.dense_bytes], dtype=torch.float64)
+        if self._node_group is not None:
+            device = "cuda" if "nccl" in str(dist.get_backend(self._node_group)) else "cpu"
+            totals = totals.to(device)
+            dist.all_reduce(totals, group=self._node_group)
+        return totals.cpu()
+
+    def _figures(self, step: int) -> dict[str, float]:
+        totals = self._node_totals()
+        last_step, last_totals = self._last
+        self._last = (step, totals)
+        steps = max(step - last_step, 1)
+        sent, received, dense = totals.tolist()
+        figures = {
+            "flexdemo/bytes_sent_per_step": (sent - last_totals[0].item()) / steps,
+            "flexdemo/bytes_sent": sent,
+            "flexdemo/bytes_received": received,
+            "flexdemo/dense_bytes": dense,
+        }
+        if sent:
+            figures["flexdemo/compression_ratio"] = dense / sent
+        return figures

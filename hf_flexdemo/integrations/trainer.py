@@ -1,0 +1,153 @@
+"""``optim="flexdemo"`` for the stock ``transformers.Trainer``.
+
+Transformers validates ``TrainingArguments.optim`` against the ``OptimizerNames`` enum and
+looks the name up in ``transformers.trainer_optimizer._OPTIMIZER_HANDLERS``; neither has a
+public registry, so :func:`install` adds a member and a handler. The handler builds
+FlexDeMo from the standard flags (``--learning_rate``, ``--weight_decay``,
+``--adam_beta1/2`` and ``--adam_epsilon`` for DiLoCo's inner AdamW) plus ``optim_args``
+for FlexDeMo's own settings. It also puts :class:`FlexDeMoCallback` among the Trainer's
+default callbacks; the callback does nothing unless the optimizer is FlexDeMo; makes
+the model card's optimizer line name FlexDeMo, its settings and the layout; and marks
+T5-family models as averaging their own loss (see :func:`mark_mean_loss_model`), a trap
+of transformers 5.x that scales T5's loss by processes and accumulation steps.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+from typing import Any
+
+import transformers.trainer
+from transformers import TrainingArguments
+from transformers.training_args import OptimizerNames
+
+from ..config import FlexDeMoConfig, parse_optim_args
+from ._patching import wrap_method
+from ..optim import FlexDeMo
+from .callback import FlexDeMoCallback
+
+logger = logging.getLogger(__name__)
+
+OPTIM_NAME = "flexdemo"
+MEAN_LOSS_MODEL_TYPES = ("t5", "mt5", "umt5", "longt5", "switch_transformers")
+"""Models whose forward takes ``**kwargs`` but averages its own loss, ignoring ``num_items_in_batch``."""
+FROM_TRAINING_ARGUMENTS = {
+    "lr": "--learning_rate",
+    "weight_decay": "--weight_decay",
+    "betas": "--adam_beta1 / --adam_beta2",
+    "eps": "--adam_epsilon",
+}
+
+
+def flexdemo_kwargs(args: TrainingArguments) -> dict[str, Any]:
+    """FlexDeMo's keyword arguments for ``args``; raises ValueError on bad ``optim_args``."""
+    overrides = parse_optim_args(args.optim_args)
+    for key, flag in FROM_TRAINING_ARGUMENTS.items():
+        if key in overrides:
+            raise ValueError(f"FlexDeMo optim_args: set {key!r} with the standard TrainingArguments flag {flag}.")
+    kwargs = {
+        "lr": args.learning_rate,
+        "weight_decay": args.weight_decay,
+        "betas": (args.adam_beta1, args.adam_beta2),
+        "eps": args.adam_epsilon,
+        **overrides,
+    }
+    FlexDeMoConfig(**kwargs)  # validate now, with the same messages as the optimizer
+    return kwargs
+
+
+def describe(args: TrainingArguments) -> str:
+    """One line naming the optimizer and its settings (for logs and model cards)."""
+    config = FlexDeMoConfig(**flexdemo_kwargs(args))
+    keys = ["scheme", "topk", "chunk", "decay", "sign", "decode", "value_dtype", "replicate_every"]
+    if config.scheme in ("random", "striding"):
+        keys += ["rate"]
+    if config.scheme == "diloco":
+        keys = ["scheme", "inner_steps", "outer_lr", "outer_momentum", "betas", "value_dtype"]
+    return "FlexDeMo(" + ", ".join(f"{k}={getattr(config, k)!r}" for k in keys) + ")"
+
+
+def layout(trainer) -> str:
+    """``"2 nodes x 2 processes"`` from the trainer's Accelerate layout."""
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    if config is None:
+        return f"1 node x {trainer.accelerator.num_processes} processes"
+    return f"{config.dp_replicate_size} nodes x {config.dp_shard_size} processes"
+
+
+def is_flexdemo(args: TrainingArguments) -> bool:
+    return str(getattr(args.optim, "value", args.optim)) == OPTIM_NAME
+
+
+def _flexdemo_handler(ctx) -> tuple[type, dict[str, Any]]:
+    kwargs = flexdemo_kwargs(ctx.args)
+    kwargs.pop("weight_decay")  # the Trainer passes it per parameter group
+    return FlexDeMo, kwargs
+
+
+def _add_enum_member(enum_cls: type[enum.Enum], name: str, value: str) -> enum.Enum:
+    if value in enum_cls._value2member_map_:
+        return enum_cls(value)
+    member = str.__new__(enum_cls, value)
+    member._name_, member._value_ = name, value
+    member.__objclass__ = enum_cls
+    if hasattr(enum_cls, "_add_member_"):  # Python >= 3.12
+        enum_cls._add_member_(name, member)
+    else:
+        type.__setattr__(enum_cls, name, member)
+        enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    if name not in enum_cls._member_names_:
+        enum_cls._member_names_.append(name)
+    return member
+
+
+def mark_mean_loss_model(model) -> bool:
+    """Tell the Trainer that a T5-family model averages its own loss (``accepts_loss_kwargs=False``).
+
+    Otherwise transformers 5.x sees ``**kwargs`` in ``forward``, expects a summed loss, and
+    multiplies the mean by the number of processes and by the accumulation steps.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in MEAN_LOSS_MODEL_TYPES or hasattr(model, "accepts_loss_kwargs"):
+        return False
+    model.accepts_loss_kwargs = False
+    logger.info("hf_flexdemo: %s averages its own loss; marked accepts_loss_kwargs=False.", type(model).__name__)
+    return True
+
+
+def _trainer_init(original, self, *args, **kwargs):
+    mark_mean_loss_model(kwargs["model"] if "model" in kwargs else (args[0] if args else None))
+    original(self, *args, **kwargs)
+
+
+def _card_hyperparameters(original, trainer) -> dict[str, Any]:
+    hyperparameters = original(trainer)
+    if is_flexdemo(trainer.args):
+        hyperparameters["optimizer"] = f"{describe(trainer.args)} on {layout(trainer)}"
+    return hyperparameters
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Register ``optim="flexdemo"`` and the callback with transformers (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from transformers import modelcard, trainer_optimizer
+
+    member = _add_enum_member(OptimizerNames, OPTIM_NAME.upper(), OPTIM_NAME)
+    trainer_optimizer._OPTIMIZER_HANDLERS[member] = _flexdemo_handler
+    # The model card's optimizer line would otherwise describe Adam's betas.
+    original = modelcard.extract_hyperparameters_from_trainer
+    modelcard.extract_hyperparameters_from_trainer = functools.wraps(original)(
+        lambda trainer: _card_hyperparameters(original, trainer)
+    )
+    if FlexDeMoCallback not in transformers.trainer.DEFAULT_CALLBACKS:
+        transformers.trainer.DEFAULT_CALLBACKS.append(FlexDeMoCallback)
+    wrap_method(transformers.Trainer, "__init__", _trainer_init)
+    _INSTALLED = True

@@ -1,0 +1,5 @@
+"""The FlexDeMo optimizer."""
+
+from .flexdemo import FlexDeMo
+
+__all__ = ["FlexDeMo"]

@@ -1,0 +1,334 @@
+"""FlexDeMo: decoupled momentum optimization for fully and hybrid sharded training.
+
+Inside a node, FSDP2 shards the model and averages gradients; across nodes only what the
+replication scheme picks travels. Per parameter and step (``demo`` scheme)::
+
+    p  *= 1 - lr * weight_decay                      decoupled weight decay
+    m   = decay * m + lr * grad                      local momentum, never all-reduced
+    q   = top-k DCT coefficients of m (per tile)     the fast-moving components
+    m  -= IDCT(q)                                    error feedback
+    p  -= lr * sign(IDCT(mean over replicas of q))   one packed all-gather per step
+
+The replication step is pluggable (:mod:`hf_flexdemo.schemes`): ``demo``, ``random``,
+``striding``, ``diloco``, ``full`` and ``none``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ..config import FlexDeMoConfig, validate_group
+from ..dtensor_utils import local_tensor
+from ..schemes import Collective, ParamSlot, StepContext, build_scheme
+from ..state_store import StateStore, StateView
+from ..topology import ReplicaTopology, broadcast_from_first_replica, replica_fingerprints
+from ..wire import CommStats, all_gather_packed, all_reduce_mean_packed, nbytes, ring_all_reduce_bytes
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = "comm_bytes"
+"""Per-rank int64 pair kept in each parameter's state: payload bytes sent, gradient bytes seen."""
+
+
+class FlexDeMo(torch.optim.Optimizer):
+    """Decoupled momentum optimizer that replicates compressed momentum across nodes.
+
+    Args:
+        params: parameters or parameter groups. Groups may set ``lr``, ``weight_decay``,
+            ``decay``, ``topk``, ``chunk``, ``sign``, ``betas`` and ``eps``.
+        mesh: a :class:`~torch.distributed.device_mesh.DeviceMesh` with a replicate
+            dimension (the nodes). Parameters are FSDP2 DTensors on its other dimensions,
+            or plain tensors when each replica is a single process. Leave it out for one
+            process; with Accelerate or the Trainer, ``hf_flexdemo`` attaches it.
+        replicate_dim: the mesh dimension that spans the nodes (default: ``dp_replicate``
+            or ``replicate``, whichever the mesh has).
+
+    The other arguments are described in :class:`hf_flexdemo.FlexDeMoConfig`.
+
+    Contract: every replica must call :meth:`step` the same number of times with the same
+    parameters (a parameter without a gradient counts as a zero gradient, so that every
+    replica sends the same layout). Replicas start from replica 0's parameters: they are
+    compared on the first step and copied if they differ.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        decay: float = 0.999,
+        topk: int = 32,
+        chunk: int = 64,
+        sign: bool = True,
+        *,
+        decode: str = "selected",
+        value_dtype: str = "param",
+        scheme: str = "demo",
+        replicate_every: int = 1,
+        rate: float = 1 / 128,
+        seed: int = 0,
+        inner_steps: int = 100,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        mesh: DeviceMesh | None = None,
+        replicate_dim: str | None = None,
+    ):
+        self.config = FlexDeMoConfig(
+            lr=lr,
+            weight_decay=weight_decay,
+            decay=decay,
+            topk=topk,
+            chunk=chunk,
+            sign=sign,
+            decode=decode,
+            value_dtype=value_dtype,
+            scheme=scheme,
+            replicate_every=replicate_every,
+            rate=rate,
+            seed=seed,
+            inner_steps=inner_steps,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            betas=betas,
+            eps=eps,
+        )
+        super().__init__(params, self.config.group_defaults())
+        self.scheme = build_scheme(self.config)
+        self._topology: ReplicaTopology | None = None
+        self._store: StateStore | None = None
+        self.last_step_stats = CommStats()
+        if mesh is not None:
+            self.attach(mesh, replicate_dim)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        validate_group(self.param_groups[-1])
+
+    # -- topology ----------------------------------------------------------------------
+
+    def attach(self, mesh: DeviceMesh | None, replicate_dim: str | None = None) -> None:
+        """Use ``mesh``'s replicate dimension as the inter-node group; ``None`` means one replica.
+
+        Call it before the first step.
+        """
+        if any(self.state.values()):
+            raise RuntimeError("FlexDeMo.attach() must be called before the first step: state already exists.")
+        self._set_topology(ReplicaTopology.single() if mesh is None else ReplicaTopology.from_mesh(mesh, replicate_dim))
+
+    def _set_topology(self, topology: ReplicaTopology) -> None:
+        self._topology = topology
+        self._store = StateStore(topology)
+
+    @property
+    def topology(self) -> ReplicaTopology:
+        if self._topology is None:
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            if world > 1 and self.scheme.collective is not Collective.NONE:
+                raise RuntimeError(
+                    f"FlexDeMo runs in a job of {world} processes but has no inter-node group, so replicas "
+                    "would train unsynchronized. Pass mesh= (a DeviceMesh with a replicate dimension) or call "
+                    "optimizer.attach(mesh). With Accelerate or the Trainer, `import hf_flexdemo` before the "
+                    "Accelerator is created and the plugin attaches it."
+                )
+            self._set_topology(ReplicaTopology.single())
+        return self._topology
+
+    @property
+    def is_attached(self) -> bool:
+        return self._topology is not None
+
+    # -- stepping ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._run(sync_only=False)
+        return loss
+
+    @torch.no_grad()
+    def synchronize(self) -> bool:
+        """Bring replicas to the same parameters now if the scheme lets them differ (DiLoCo).
+
+        Returns whether an exchange ran. Call it on every process at the same point, for
+        example before saving a checkpoint or at the end of training.
+        """
+        return self._run(sync_only=True)
+
+    def _run(self, sync_only: bool) -> bool:
+        topology = self.topology
+        slots = self._slots(with_grads=not sync_only)
+        if not slots:
+            return False
+        if "step" not in slots[0].state:
+            self._start(slots)
+        if not sync_only:
+            for slot in slots:
+                slot.state.raw["step"] += 1
+        step = int(slots[0].state.raw["step"])
+        if sync_only and not self.scheme.needs_sync(slots[0].state, step):
+            return False
+        ctx = StepContext(
+            step=step,
+            replicate=self.scheme.is_replication_step(step, forced=sync_only),
+            replicas=topology.size,
+            generator=torch.Generator().manual_seed(self.config.seed * 1_000_003 + step),
+        )
+        if not sync_only:
+            for slot in slots:
+                self.scheme.init_state(slot)
+                wd = slot.group["weight_decay"]
+                if wd:
+                    slot.param.mul_(1 - slot.group["lr"] * wd)
+        payloads = [self.scheme.local_step(slot, ctx) for slot in slots]
+        received, stats = self._exchange(payloads, ctx)
+        for slot, part in zip(slots, received):
+            self.scheme.apply(slot, part, ctx)
+        self._count(slots, payloads, stats, ctx)
+        return ctx.replicate
+
+    def _slots(self, with_grads: bool) -> list[ParamSlot]:
+        slots = []
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                index += 1
+                if not p.requires_grad:
+                    continue
+                local_p = local_tensor(p)
+                grad = None
+                if with_grads:
+                    if p.grad is not None and p.grad.is_sparse:
+                        raise ValueError("FlexDeMo does not support sparse gradients.")
+                    grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_p)
+                state = StateView(self._store, p, local_p, self.state[p])
+                slots.append(ParamSlot(param=local_p, grad=grad, state=state, group=group, index=index))
+        return slots
+
+    def _start(self, slots: list[ParamSlot]) -> None:
+        """First step: check the layout and that every replica starts from the same parameters."""
+        params = [slot.state.param for slot in slots]
+        self._check_layout(params)
+        prints = replica_fingerprints(params, self.topology)
+        if len(set(prints)) > 1:
+            logger.warning(
+                "FlexDeMo: replicas start from different parameters (fingerprints %s); "
+                "copying replica 0's parameters to every replica.",
+                prints,
+            )
+            broadcast_from_first_replica(params, self.topology)
+        for slot in slots:
+            slot.state.raw["step"] = torch.zeros((), dtype=torch.int64)
+
+    def _check_layout(self, params: list[torch.Tensor]) -> None:
+        topo = self.topology
+        for p in params:
+            if isinstance(p, DTensor):
+                names = p.device_mesh.mesh_dim_names or ()
+                if topo.replicate_dim is not None and topo.replicate_dim in names:
+                    raise ValueError(
+                        f"FlexDeMo: a parameter of shape {tuple(p.shape)} is replicated by FSDP over the "
+                        f"{topo.replicate_dim!r} dimension (HSDP), so FSDP would all-reduce its gradients "
+                        "across nodes. FlexDeMo owns the inter-node exchange: shard with "
+                        f"fully_shard(module, mesh=mesh[<the other dims>]) instead."
+                    )
+            elif topo.mesh is not None and topo.mesh.size() != topo.size:
+                raise ValueError(
+                    f"FlexDeMo: a parameter of shape {tuple(p.shape)} is a plain tensor, but each replica spans "
+                    f"{topo.mesh.size() // topo.size} processes; those processes would train unsynchronized "
+                    "copies. Shard the model inside the node with FSDP2 (fully_shard(model, mesh=mesh[...]))."
+                )
+
+    def _exchange(self, payloads: list[list[torch.Tensor]], ctx: StepContext) -> tuple[list[Any], CommStats]:
+        if not ctx.replicate:
+            return [None] * len(payloads), CommStats()
+        flat = [t for payload in payloads for t in payload]
+        bounds, start = [], 0
+        for payload in payloads:
+            bounds.append((start, start + len(payload)))
+            start += len(payload)
+        kind = self.scheme.collective
+        if kind is Collective.NONE or not flat:
+            return payloads, CommStats()
+        if kind is Collective.ALL_GATHER:
+            gathered, stats = all_gather_packed(flat, self.topology)
+            return [[replica[a:b] for replica in gathered] for a, b in bounds], stats
+        averaged, stats = all_reduce_mean_packed(flat, self.topology)
+        return [averaged[a:b] for a, b in bounds], stats
+
+    # -- counters ----------------------------------------------------------------------
+
+    def _count(self, slots: list[ParamSlot], payloads: list[list[torch.Tensor]], stats: CommStats, ctx) -> None:
+        dense = 0
+        for slot, payload in zip(slots, payloads):
+            counters = slot.state.counters(COUNTERS, 2)
+            sent = sum(nbytes(t) for t in payload) if ctx.replicate else 0
+            seen = nbytes(slot.grad) if slot.grad is not None else 0
+            counters += torch.tensor([sent, seen], dtype=torch.int64, device=counters.device)
+            dense += seen
+        stats.dense_bytes = ring_all_reduce_bytes(dense, self.topology.size)
+        self.last_step_stats = stats
+
+    @property
+    def total_stats(self) -> CommStats:
+        """Cumulative inter-node bytes of this process (restored with the optimizer state)."""
+        payload = seen = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if COUNTERS in self.state.get(p, {}):
+                    sent_p, seen_p = (int(x) for x in local_tensor(self.state[p][COUNTERS]).reshape(2).tolist())
+                    payload += sent_p
+                    seen += seen_p
+        replicas = self.topology.size if self._topology is not None else 1
+        moved = self._wire_bytes(payload, replicas)
+        return CommStats(bytes_sent=moved, bytes_received=moved, dense_bytes=ring_all_reduce_bytes(seen, replicas))
+
+    def _wire_bytes(self, payload: int, replicas: int) -> int:
+        if replicas == 1 or self.scheme.collective is Collective.NONE:
+            return 0
+        if self.scheme.collective is Collective.ALL_GATHER:
+            return (replicas - 1) * payload
+        return ring_all_reduce_bytes(payload, replicas)
+
+    # -- replicas ----------------------------------------------------------------------
+
+    def replica_fingerprints(self) -> list[int]:
+        """Checksums of this process's parameter shards on every replica (a collective)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        return replica_fingerprints(params, self.topology)
+
+    @property
+    def replicas_should_match(self) -> bool:
+        """Whether, by the scheme's design, replicas hold identical parameters right now."""
+        slots = self._slots(with_grads=False)
+        if not slots or "step" not in slots[0].state:
+            return True
+        return self.scheme.replicas_match(slots[0].state, int(slots[0].state.raw["step"]))
+
+    # -- state dict --------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # torch casts floating state to the parameter's dtype; 16-bit parameters keep float32 moments.
+        by_id = {}
+        for saved, group in zip(state_dict["param_groups"], self.param_groups):
+            by_id.update(zip(saved["params"], group["params"]))
+        for pid, saved_state in state_dict["state"].items():
+            p = by_id.get(pid)
+            if p is None:
+                continue
+            for key, value in saved_state.items():
+                current = self.state[p].get(key)
+                if torch.is_tensor(value) and torch.is_tensor(current) and value.dtype != current.dtype:
+                    self.state[p][key] = value.to(device=current.device, copy=True)

@@ -1,0 +1,34 @@
+"""Replication schemes of the DeToNATION framework, chosen by name."""
+
+from __future__ import annotations
+
+from ..config import FlexDeMoConfig
+from .base import Collective, ParamSlot, ReplicationScheme, StepContext
+from .demo import DeMoScheme
+from .dense import FullScheme, NoneScheme
+from .diloco import DiLoCoScheme
+from .subset import RandomScheme, StridingScheme
+
+SCHEME_CLASSES: dict[str, type[ReplicationScheme]] = {
+    cls.name: cls for cls in (DeMoScheme, RandomScheme, StridingScheme, DiLoCoScheme, FullScheme, NoneScheme)
+}
+
+
+def build_scheme(config: FlexDeMoConfig) -> ReplicationScheme:
+    return SCHEME_CLASSES[config.scheme](config)
+
+
+__all__ = [
+    "SCHEME_CLASSES",
+    "Collective",
+    "DeMoScheme",
+    "DiLoCoScheme",
+    "FullScheme",
+    "NoneScheme",
+    "ParamSlot",
+    "RandomScheme",
+    "ReplicationScheme",
+    "StepContext",
+    "StridingScheme",
+    "build_scheme",
+]

@@ -1,0 +1,96 @@
+"""The contract between the optimizer and a replication scheme.
+
+A step runs in three phases, so that every parameter's payload travels in one collective:
+
+1. ``local_step(slot, ctx)`` for every parameter: local maths; returns the tensors this
+   parameter sends (or ``[]``);
+2. the optimizer packs all payloads into one collective of the scheme's ``collective`` kind;
+3. ``apply(slot, received, ctx)`` for every parameter: decode and update the parameter.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import FlexDeMoConfig
+from ..state_store import StateView
+
+
+class Collective(enum.Enum):
+    ALL_GATHER = "all_gather"
+    """Replicas send different positions; ``apply`` receives every replica's tensors."""
+    ALL_REDUCE = "all_reduce"
+    """Replicas send the same positions; ``apply`` receives the mean over replicas."""
+    NONE = "none"
+    """Nothing crosses nodes; ``apply`` receives this replica's own tensors."""
+
+
+@dataclass
+class StepContext:
+    """What every parameter of one optimizer step shares."""
+
+    step: int
+    """Optimizer steps taken, this one included (1 on the first step)."""
+    replicate: bool
+    """Whether this step exchanges anything across replicas."""
+    replicas: int
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class ParamSlot:
+    """One parameter during one step: its local shard, gradient, state and hyperparameters."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    state: StateView
+    group: dict[str, Any]
+    index: int
+    """Position of the parameter in the optimizer (the same on every replica)."""
+    scratch: dict[str, Any] = field(default_factory=dict)
+    """Carries data from ``local_step`` to ``apply``."""
+
+
+class ReplicationScheme(ABC):
+    """How replicas keep one model: what each sends, and how received data updates a parameter."""
+
+    name: str
+    collective: Collective
+
+    def __init__(self, config: FlexDeMoConfig):
+        self.config = config
+
+    def is_replication_step(self, step: int, forced: bool = False) -> bool:
+        """Whether step ``step`` (1-based) exchanges data; ``forced`` asks for a sync now."""
+        return forced or step % self.config.replicate_every == 0
+
+    def replicas_match(self, state: StateView, step: int) -> bool:
+        """Whether, by design, replicas hold identical parameters after step ``step``."""
+        return True
+
+    def needs_sync(self, state: StateView, step: int) -> bool:
+        """Whether :meth:`FlexDeMo.synchronize` at step ``step`` has work to do."""
+        return False
+
+    def init_state(self, slot: ParamSlot) -> None:
+        """Create every state entry the scheme will ever use (called each step, before weight decay).
+
+        Distributed checkpoints load into the state that one zero-gradient step creates, so
+        an entry created later would be dropped silently on resume.
+        """
+
+    @abstractmethod
+    def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
+        """Local maths before the exchange; returns what this parameter sends."""
+
+    @abstractmethod
+    def apply(self, slot: ParamSlot, received: Any, ctx: StepContext) -> None:
+        """Update the parameter from what the exchange returned."""
+
+    def wire_dtype(self, slot: ParamSlot) -> torch.dtype:
+        return self.config.wire_dtype or slot.param.dtype

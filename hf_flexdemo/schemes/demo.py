@@ -1,0 +1,80 @@
+"""DeMo: send the top-k DCT coefficients of each momentum tile, apply the sign of their average.
+
+Per replication step and parameter::
+
+    Q     = DCT(m)                       chunked, orthonormal DCT-II
+    q     = top-k of Q per tile          the fast-moving components
+    m    -= IDCT(q)                      error feedback: what was sent leaves the momentum
+    Q_avg = decode(q from all replicas)  mean over the replicas that picked a coefficient
+    p    -= lr * sign(IDCT(Q_avg))
+
+The DCT is linear and orthonormal, so the momentum is kept as its coefficients ``Q``:
+``Q = decay * Q + lr * DCT(grad)``, and error feedback is ``Q -= q``. That is the same
+rule with one transform fewer per step (two instead of three). The state entry
+``momentum_dct`` holds ``Q`` laid out like the parameter (see :mod:`..compression`).
+
+One replica: no communication; the update is the sign of the replica's own top-k
+reconstruction (the momentum and error feedback still work as above).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..compression import ChunkPlan, decode_replicas, flat_positions, from_coefficients, select_topk, to_coefficients
+from .base import Collective, ParamSlot, StepContext
+from .momentum import MomentumScheme
+
+TILE_STATE = "dct_tiles"
+"""Per-rank (tile_rows, tile_cols) the coefficients were computed with."""
+
+
+class DeMoScheme(MomentumScheme):
+    name = "demo"
+    collective = Collective.ALL_GATHER
+    momentum_key = "momentum_dct"
+
+    def init_state(self, slot: ParamSlot) -> None:
+        super().init_state(slot)
+        plan = self.plan(slot)
+        tiles = slot.state.counters(TILE_STATE, 2)
+        if not tiles.any():
+            tiles.copy_(torch.tensor([plan.tile_rows, plan.tile_cols]))
+        elif tiles.tolist() != [plan.tile_rows, plan.tile_cols]:
+            raise RuntimeError(
+                f"FlexDeMo: the momentum of a parameter of local shape {tuple(slot.param.shape)} was saved with "
+                f"DCT tiles {tuple(tiles.tolist())}, but this layout gives {(plan.tile_rows, plan.tile_cols)}. "
+                "Resume with the same number of processes per node (the same FSDP shards) as the checkpoint."
+            )
+
+    @staticmethod
+    def plan(slot: ParamSlot) -> ChunkPlan:
+        return ChunkPlan.for_shape(slot.param.shape, slot.group["chunk"], slot.group["topk"])
+
+    def accumulate(self, slot: ParamSlot) -> torch.Tensor:
+        """``Q = decay * Q + lr * DCT(grad)``; returns ``Q`` as a ``(rows, cols)`` view."""
+        plan = self.plan(slot)
+        q = self.momentum(slot).view(plan.rows, plan.cols)
+        if plan.n_tiles:
+            q.mul_(slot.group["decay"]).add_(to_coefficients(slot.grad, plan), alpha=slot.group["lr"])
+        return q
+
+    def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
+        q = self.accumulate(slot)
+        plan = self.plan(slot)
+        if not ctx.replicate or plan.n_tiles == 0:
+            return []
+        indices, values = select_topk(q, plan)
+        values = values.to(self.wire_dtype(slot))
+        # Subtract what travels (after rounding to the wire dtype) so the rounding error stays in Q.
+        q.view(-1).index_add_(0, flat_positions(indices, plan), values.reshape(-1).to(q.dtype), alpha=-1.0)
+        slot.scratch["plan"] = plan
+        return [indices.to(plan.index_dtype), values]
+
+    def apply(self, slot: ParamSlot, received: list[list[torch.Tensor]], ctx: StepContext) -> None:
+        plan = slot.scratch.get("plan")
+        if plan is None:
+            return
+        dtype = self.momentum(slot).dtype
+        coefficients = decode_replicas([tuple(part) for part in received], plan, self.config.decode, dtype)
+        self.move(slot, from_coefficients(coefficients, plan))

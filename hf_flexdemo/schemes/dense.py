@@ -1,0 +1,44 @@
+"""Full sync and none: the two ends of the range, with the same update rule as the others.
+
+- ``full``: the whole momentum travels with a dense all-reduce. Everything is sent, so
+  error feedback empties the momentum and, with ``replicate_every=1``, each step is
+  ``p -= lr * sign(mean gradient)``: a dense gradient all-reduce, the baseline.
+- ``none``: nothing leaves the node; each replica takes the same step from its own
+  gradient. Replicas drift apart: use it for one node or as an ablation.
+
+One replica: both are ``p -= lr * sign(grad)`` (momentum accumulates between replication
+steps when ``replicate_every > 1``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Collective, ParamSlot, StepContext
+from .momentum import MomentumScheme
+
+
+class FullScheme(MomentumScheme):
+    name = "full"
+    collective = Collective.ALL_REDUCE
+
+    def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
+        m = self.accumulate(slot)
+        if not ctx.replicate:
+            return []
+        sent = m.to(self.wire_dtype(slot), copy=True)
+        m.sub_(sent.to(m.dtype))
+        slot.scratch["sent"] = True
+        return [sent]
+
+    def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> None:
+        if slot.scratch.get("sent"):
+            self.move(slot, received[0])
+
+
+class NoneScheme(FullScheme):
+    name = "none"
+    collective = Collective.NONE
+
+    def replicas_match(self, state, step: int) -> bool:
+        return False

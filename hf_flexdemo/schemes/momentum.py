@@ -1,0 +1,54 @@
+"""What DeMo, Random, Striding, full sync and none share: a decoupled momentum with error feedback.
+
+Every step, each replica folds its gradient into its own momentum::
+
+    m = decay * m + lr * grad
+
+On a replication step the scheme picks a part ``q`` of ``m`` (DeMo: the top-k DCT
+coefficients; Random/Striding: a subset of entries; full: all of it), subtracts what it
+sends from ``m`` (error feedback: what is not sent stays for later), exchanges ``q``, and
+the parameter moves by ``lr * sign(decoded)`` (or ``lr * decoded`` with ``sign=False``).
+Between replication steps (``replicate_every > 1``) the gradient only accumulates in the
+momentum and the parameters do not move, so every replica still holds the same model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ParamSlot, ReplicationScheme
+
+
+def momentum_dtype(param: torch.Tensor) -> torch.dtype:
+    """16-bit momentum cannot hold decay * m + small: keep it in float32 for 16-bit parameters."""
+    return torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
+
+
+class MomentumScheme(ReplicationScheme):
+    """Base for schemes that replicate part of a decoupled momentum."""
+
+    momentum_key = "momentum"
+
+    def init_state(self, slot: ParamSlot) -> None:
+        self.momentum(slot)
+
+    def momentum(self, slot: ParamSlot) -> torch.Tensor:
+        p = slot.param
+        return slot.state.per_replica(self.momentum_key, lambda: torch.zeros_like(p, dtype=momentum_dtype(p)))
+
+    def accumulate(self, slot: ParamSlot) -> torch.Tensor:
+        """``m = decay * m + lr * grad``; returns the momentum (local, in place)."""
+        m = self.momentum(slot)
+        m.mul_(slot.group["decay"]).add_(slot.grad.to(m.dtype), alpha=slot.group["lr"])
+        return m
+
+    @staticmethod
+    def move(slot: ParamSlot, update: torch.Tensor, where: torch.Tensor | None = None) -> None:
+        """``p -= lr * sign(update)`` at the flat positions ``where`` (all when None); ``update`` is consumed."""
+        step = update.sign_() if slot.group["sign"] else update  # update is a temporary: sign in place
+        step = step.to(slot.param.dtype)
+        if where is None:
+            slot.param.sub_(step.view(slot.param.shape), alpha=slot.group["lr"])
+        else:
+            flat = slot.param.view(-1)
+            flat.index_add_(0, where, step, alpha=-slot.group["lr"])

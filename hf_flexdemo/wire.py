@@ -1,0 +1,120 @@
+"""The wire: every tensor a step sends goes out in one packed collective, and is counted.
+
+Two exchanges cover every scheme:
+
+- :func:`all_gather_packed`: each replica sends different tensors of the same shapes
+  (DeMo's top-k indices and values). The tensors are laid end to end as bytes in one
+  ``uint8`` buffer and gathered with a single all-gather.
+- :func:`all_reduce_mean_packed`: replicas send values at the same positions (dense or
+  shared-seed subsets). Tensors of one dtype are concatenated and reduced with a
+  single ``all_reduce`` per dtype.
+
+Counted bytes are what this process puts on the inter-node link for the collective's
+usual algorithm: an all-gather of ``B`` bytes per replica sends and receives
+``(R - 1) * B``; a ring all-reduce of ``B`` bytes sends and receives ``2 (R - 1) / R * B``.
+For two replicas both are exactly ``B``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from .topology import ReplicaTopology, all_gather_single
+
+
+@dataclass
+class CommStats:
+    """Inter-node bytes of this process."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    dense_bytes: int = 0
+    """What a dense ring all-reduce of the same gradients would have sent (the HSDP baseline)."""
+    collectives: int = 0
+
+    def __add__(self, other: CommStats) -> CommStats:
+        return CommStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense all-reduce bytes over bytes sent (inf when nothing was sent)."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("inf")
+
+    def as_dict(self, prefix: str = "") -> dict[str, float]:
+        out = {f"{prefix}{f.name}": getattr(self, f.name) for f in fields(self)}
+        out[f"{prefix}compression_ratio"] = self.compression_ratio
+        return out
+
+
+def all_gather_bytes(payload_bytes: int, replicas: int) -> int:
+    return (replicas - 1) * payload_bytes
+
+
+def ring_all_reduce_bytes(payload_bytes: int, replicas: int) -> int:
+    return round(2 * (replicas - 1) * payload_bytes / replicas)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather_packed(
+    tensors: Sequence[torch.Tensor], topology: ReplicaTopology
+) -> tuple[list[list[torch.Tensor]], CommStats]:
+    """Gather ``tensors`` from every replica; returns ``received[replica][i]`` and the bytes moved.
+
+    Every replica must pass tensors of the same shapes and dtypes in the same order.
+    """
+    if not topology.is_replicated:
+        return [list(tensors)], CommStats()
+    device = tensors[0].device if tensors else torch.device("cpu")
+    # Widest dtypes first: every slice then starts at a multiple of its element size.
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+    flat = [tensors[i].contiguous().view(-1).view(torch.uint8) for i in order]
+    buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+    size = buffer.numel()
+    gathered = torch.empty(topology.size * size, dtype=torch.uint8, device=device)
+    all_gather_single(gathered, buffer, group=topology.group)
+
+    received = []
+    for replica in range(topology.size):
+        # A fresh copy starts aligned for every dtype; our own part is the send buffer.
+        chunk = buffer if replica == topology.rank else gathered[replica * size : (replica + 1) * size].clone()
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        offset = 0
+        for i in order:
+            t, n = tensors[i], nbytes(tensors[i])
+            out[i] = chunk[offset : offset + n].view(t.dtype).view(t.shape)
+            offset += n
+        received.append(out)
+    moved = all_gather_bytes(size, topology.size)
+    return received, CommStats(bytes_sent=moved, bytes_received=moved, collectives=1)
+
+
+def all_reduce_mean_packed(
+    tensors: Sequence[torch.Tensor], topology: ReplicaTopology
+) -> tuple[list[torch.Tensor], CommStats]:
+    """Average ``tensors`` over the replicas with one all-reduce per dtype."""
+    if not topology.is_replicated:
+        return list(tensors), CommStats()
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    stats = CommStats()
+    for dtype, members in by_dtype.items():
+        buffer = torch.cat([tensors[i].reshape(-1) for i in members])
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=topology.group)
+        buffer.div_(topology.size)
+        moved = ring_all_reduce_bytes(nbytes(buffer), topology.size)
+        stats += CommStats(bytes_sent=moved, bytes_received=moved, collectives=1)
+        offset = 0
+        for i in members:
+            n = tensors[i].numel()
+            out[i] = buffer[offset : offset + n].view(tensors[i].shape)
+            offset += n
+    return out, stats

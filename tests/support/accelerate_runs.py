@@ -1,0 +1,40 @@
+"""Launch tests/workers/trainer_worker.py with `accelerate launch` and read its results."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .launch import TESTS_DIR, run_checked, child_env
+
+COMMON = [
+    "--max_steps", "8",
+    "--per_device_train_batch_size", "4",
+    "--gradient_accumulation_steps", "2",
+    "--learning_rate", "1e-3",
+    "--logging_steps", "1",
+    "--save_steps", "4",
+    "--report_to", "none",
+    "--use_cpu",
+    "--seed", "7",
+    "--optim_args", "topk=8,chunk=16",
+]
+
+
+def accelerate_launch(output_dir: Path, runs: str, *extra: str, config: str = "cpu_2x2.yaml", timeout: float = 900):
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(TESTS_DIR / "configs" / config),
+        str(TESTS_DIR / "workers" / "trainer_worker.py"),
+        "--runs", runs, "--output_dir", str(output_dir), *COMMON, *extra,
+    ]
+    return run_checked(cmd, timeout=timeout, env=child_env())
+
+
+def read_run(output_dir: Path, name: str, nprocs: int = 4) -> list[dict]:
+    return [json.loads((output_dir / name / f"result_rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def losses(result: dict) -> list[tuple[int, float]]:
+    return [(h["step"], h["loss"]) for h in result["log_history"] if "loss" in h]

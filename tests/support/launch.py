@@ -1,0 +1,49 @@
+"""Start multi-process jobs from tests and collect what each rank wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+REPO_ROOT = TESTS_DIR.parent
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for child processes: one thread each, tests importable, no network."""
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT), env.get("PYTHONPATH", "")]),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        WANDB_MODE="offline",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONWARNINGS="ignore",
+    )
+    env.update(extra)
+    return env
+
+
+def run_checked(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None):
+    """Run ``cmd``; on failure raise with the tail of its output so the test report shows why."""
+    proc = subprocess.run(
+        cmd, env=env or child_env(), cwd=cwd or REPO_ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        tail = (proc.stdout + "\n" + proc.stderr)[-6000:]
+        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
+    return proc
+
+
+def torchrun(script: Path, nprocs: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
+    return run_checked([*cmd, str(script), *args], timeout=timeout)
+
+
+def read_rank_results(out_dir: Path, nprocs: int) -> list[dict]:
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]

@@ -1,0 +1,137 @@
+"""The tensor maths of DeMo: tiling, DCT, top-k, decoding. No processes, no optimizer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_flexdemo.compression import (
+    ChunkPlan,
+    dct_matrix,
+    decode_replicas,
+    flat_positions,
+    from_coefficients,
+    index_dtype_for,
+    largest_divisor_at_most,
+    select_topk,
+    sparse_to_matrix,
+    tiles,
+    to_coefficients,
+)
+
+SHAPES = [(), (1,), (7,), (64,), (130,), (100, 30), (17, 12), (5, 3, 3), (6, 1, 2, 2), (2, 3, 4, 5), (1, 33)]
+
+
+def test_largest_divisor():
+    assert [largest_divisor_at_most(n, 64) for n in (1, 7, 64, 130, 4096, 32128, 251)] == [1, 7, 64, 26, 64, 64, 1]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_plan_tiles_every_shape_exactly(shape):
+    plan = ChunkPlan.for_shape(shape, chunk=8, topk=4)
+    numel = math.prod(shape)
+    assert plan.rows * plan.cols == numel
+    assert plan.rows % plan.tile_rows == 0 and plan.cols % plan.tile_cols == 0
+    assert plan.tile_rows <= 8 and plan.tile_cols <= 8
+    assert plan.n_tiles * plan.tile_size == numel
+    assert plan.k == min(4, plan.tile_size)
+
+
+def test_plan_for_empty_shard():
+    plan = ChunkPlan.for_shape((0, 12), chunk=8, topk=4)
+    assert plan.n_tiles == 0
+
+
+def test_dct_matrix_is_orthonormal_and_puts_a_constant_in_the_first_coefficient():
+    for n in (1, 2, 7, 64):
+        c = dct_matrix(n, torch.float64, torch.device("cpu"))
+        torch.testing.assert_close(c @ c.T, torch.eye(n, dtype=torch.float64), atol=1e-12, rtol=0)
+        coeffs = c @ torch.full((n,), 3.0, dtype=torch.float64)
+        assert coeffs[0].item() == pytest.approx(3.0 * math.sqrt(n))
+        if n > 1:
+            assert coeffs[1:].abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dct_round_trip_is_exact_when_k_is_the_whole_tile(shape):
+    x = torch.randn(shape, dtype=torch.float64)
+    plan = ChunkPlan.for_shape(x.shape, chunk=8, topk=64)
+    coefficients = to_coefficients(x, plan)
+    indices, values = select_topk(coefficients, plan)
+    assert indices.shape == (plan.n_tiles, plan.tile_size)
+    dense = decode_replicas([(indices, values)], plan, "selected", torch.float64)
+    torch.testing.assert_close(from_coefficients(dense, plan).reshape(x.shape), x, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(16, 24), (12, 7), (9,)])
+def test_coefficient_matrix_matches_a_per_tile_dct(shape):
+    x = torch.randn(shape, dtype=torch.float64)
+    plan = ChunkPlan.for_shape(x.shape, chunk=4, topk=2)
+    matrix = x.reshape(plan.rows, plan.cols)
+    left = dct_matrix(plan.tile_rows, torch.float64, torch.device("cpu"))
+    right = dct_matrix(plan.tile_cols, torch.float64, torch.device("cpu"))
+    coefficients = to_coefficients(x, plan)
+    for r in range(0, plan.rows, plan.tile_rows):
+        for c in range(0, plan.cols, plan.tile_cols):
+            tile = matrix[r : r + plan.tile_rows, c : c + plan.tile_cols]
+            expected = left @ tile @ right.T
+            torch.testing.assert_close(coefficients[r : r + plan.tile_rows, c : c + plan.tile_cols], expected)
+
+
+def test_topk_keeps_the_largest_magnitudes_of_each_tile():
+    coefficients = torch.tensor([[0.1, -5.0, 3.0, 0.2, 1.0, 2.0, -3.0, 4.0]])
+    plan = ChunkPlan.for_shape((8,), chunk=4, topk=2)
+    indices, values = select_topk(coefficients, plan)
+    assert [sorted(row) for row in indices.tolist()] == [[1, 2], [2, 3]]
+    assert torch.equal(values, tiles(coefficients, plan).gather(1, indices))
+    assert sorted(flat_positions(indices, plan).tolist()) == [1, 2, 6, 7]
+
+
+def test_error_feedback_identity_sent_plus_kept_is_the_momentum():
+    m = torch.randn(40, 24, dtype=torch.float64)
+    plan = ChunkPlan.for_shape(m.shape, chunk=8, topk=5)
+    coefficients = to_coefficients(m, plan)
+    indices, values = select_topk(coefficients, plan)
+    sent = from_coefficients(sparse_to_matrix(indices, values, plan, torch.float64), plan)
+    kept = m - sent
+    torch.testing.assert_close(sent + kept, m, atol=1e-12, rtol=0)
+    # What is kept has no energy left in the coefficients that were sent.
+    assert tiles(to_coefficients(kept, plan), plan).gather(1, indices).abs().max() < 1e-12
+
+
+def test_index_dtype_is_the_smallest_that_holds_a_tile_position():
+    assert index_dtype_for(64) == torch.uint8
+    assert index_dtype_for(256) == torch.uint8
+    assert index_dtype_for(64 * 64) == torch.uint16
+    assert index_dtype_for(2**16) == torch.uint16
+    assert index_dtype_for(2**16 + 1) == torch.int32
+    assert ChunkPlan.for_shape((128, 128), chunk=64, topk=32).index_dtype == torch.uint16
+
+
+def test_decoding_selected_averages_over_the_replicas_that_picked_a_coefficient():
+    plan = ChunkPlan.for_shape((4,), chunk=4, topk=2)
+    a = (torch.tensor([[0, 1]]), torch.tensor([[2.0, 4.0]]))
+    b = (torch.tensor([[1, 3]]), torch.tensor([[6.0, 8.0]]))
+    selected = decode_replicas([a, b], plan, "selected", torch.float64)
+    mean = decode_replicas([a, b], plan, "mean", torch.float64)
+    assert selected.tolist() == [[2.0, 5.0, 0.0, 8.0]]
+    assert mean.tolist() == [[1.0, 5.0, 0.0, 4.0]]
+
+
+def test_decoding_is_bitwise_repeatable_and_order_is_fixed():
+    plan = ChunkPlan.for_shape((64, 64), chunk=64, topk=32)
+    parts = []
+    for seed in range(4):
+        coefficients = to_coefficients(torch.randn(64, 64, generator=torch.Generator().manual_seed(seed)), plan)
+        parts.append(select_topk(coefficients, plan))
+    first = decode_replicas(parts, plan, "selected", torch.float32)
+    for _ in range(3):
+        assert torch.equal(decode_replicas(parts, plan, "selected", torch.float32), first)
+
+
+def test_16_bit_inputs_are_transformed_in_float32():
+    x = torch.randn(16, 16).to(torch.bfloat16)
+    plan = ChunkPlan.for_shape(x.shape, chunk=8, topk=4)
+    assert to_coefficients(x, plan).dtype == torch.float32

@@ -1,0 +1,72 @@
+"""Bad hyperparameters fail at construction, naming the setting, the value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_flexdemo import FlexDeMo, FlexDeMoConfig
+from hf_flexdemo.config import parse_optim_args
+
+BAD = [
+    (dict(topk=0), "topk=0", "[1, 4096]"),
+    (dict(topk=4097), "topk=4097", "at most chunk * chunk"),
+    (dict(chunk=4, topk=17), "topk=17", "[1, 16]"),
+    (dict(chunk=0), "chunk=0", ">= 1"),
+    (dict(decay=1.0), "decay=1.0", "[0.0, 1.0)"),
+    (dict(decay=-0.1), "decay=-0.1", "[0.0, 1.0)"),
+    (dict(lr=-1e-3), "lr=-0.001", "[0.0, inf)"),
+    (dict(weight_decay=-0.1), "weight_decay=-0.1", "[0.0, inf)"),
+    (dict(scheme="sgd"), "scheme='sgd'", "'demo', 'random', 'striding', 'diloco', 'full', 'none'"),
+    (dict(replicate_every=0), "replicate_every=0", ">= 1"),
+    (dict(scheme="diloco", replicate_every=2), "replicate_every=2", "inner_steps"),
+    (dict(scheme="diloco", inner_steps=0), "inner_steps=0", ">= 1"),
+    (dict(rate=0.0), "rate=0.0", "(0.0, 1.0]"),
+    (dict(decode="sum"), "decode='sum'", "'selected', 'mean'"),
+    (dict(value_dtype="int8"), "value_dtype='int8'", "'param', 'bf16'"),
+    (dict(topk=2.5), "topk=2.5", "integer"),
+    (dict(outer_momentum=1.0), "outer_momentum=1.0", "[0.0, 1.0)"),
+    (dict(betas=(0.9, 1.5)), "betas[1]=1.5", "[0.0, 1.0)"),
+]
+
+
+@pytest.mark.parametrize("kwargs,value,allowed", BAD)
+def test_bad_hyperparameter_is_refused_by_the_optimizer(kwargs, value, allowed):
+    with pytest.raises(ValueError) as err:
+        FlexDeMo([torch.nn.Parameter(torch.zeros(4))], **kwargs)
+    assert value in str(err.value) and allowed in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs,value,allowed", BAD[:8])
+def test_bad_hyperparameter_in_a_param_group_is_refused(kwargs, value, allowed):
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(4))], **kwargs}]
+    if "chunk" in kwargs and "topk" not in kwargs:
+        groups[0]["topk"] = 1
+    with pytest.raises(ValueError) as err:
+        FlexDeMo(groups)
+    assert value in str(err.value)
+
+
+def test_optim_args_are_parsed_with_types():
+    config = FlexDeMoConfig.from_optim_args("topk=4, sign=false,rate=1/64,betas=0.9:0.95,scheme=random")
+    assert (config.topk, config.sign, config.rate, config.betas, config.scheme) == (4, False, 1 / 64, (0.9, 0.95), "random")
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("topk=4,colour=red", "unknown key 'colour'"),
+        ("topk=four", "topk='four' is not int"),
+        ("sign=maybe", "sign='maybe' is not bool"),
+        ("topk", "not of the form key=value"),
+        ("topk=0", "topk=0 is invalid"),
+    ],
+)
+def test_bad_optim_args_are_refused(text, message):
+    with pytest.raises(ValueError) as err:
+        FlexDeMoConfig.from_optim_args(text)
+    assert message in str(err.value)
+
+
+def test_parse_empty_optim_args():
+    assert parse_optim_args(None) == {} and parse_optim_args("") == {}

@@ -1,0 +1,109 @@
+"""FlexDeMo on 2 simulated nodes x 2 processes (FSDP2 inside a node, gloo on CPU).
+
+One torchrun start-up runs every check (tests/workers/core_worker.py); the tests below
+assert on what each rank measured.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support.launch import TESTS_DIR, read_rank_results, torchrun
+
+SYNCING = ("demo", "random", "striding", "full", "diloco")
+ALL = (*SYNCING, "none")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("core")
+    torchrun(TESTS_DIR / "workers" / "core_worker.py", 4, str(out))
+    return read_rank_results(out, 4)
+
+
+@pytest.mark.parametrize("scheme", SYNCING)
+def test_replicas_bitwise_identical_after_20_steps(ranks, scheme):
+    for rank in ranks:
+        assert rank["schemes"][scheme]["replicas_equal"], f"rank {rank['rank']}: replicas differ after {scheme}"
+        assert rank["schemes"][scheme]["should_match"]
+
+
+def test_scheme_none_lets_replicas_drift_and_reports_it(ranks):
+    for rank in ranks:
+        assert not rank["schemes"]["none"]["replicas_equal"]
+        assert not rank["schemes"]["none"]["should_match"]
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_each_scheme_lowers_the_loss(ranks, scheme):
+    first = sum(sum(r["schemes"][scheme]["losses"][:4]) for r in ranks) / (4 * len(ranks))
+    last = sum(sum(r["schemes"][scheme]["losses"][-4:]) for r in ranks) / (4 * len(ranks))
+    assert last < 0.9 * first, f"{scheme}: loss {first:.4f} -> {last:.4f}"
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_counters_equal_the_bytes_put_on_the_wire(ranks, scheme):
+    for rank in ranks:
+        steps = rank["schemes"][scheme]["per_step"]
+        # Step 1 also carries the one-off start check (an 8-byte fingerprint per replica).
+        assert steps[0]["wire"] == steps[0]["counted"] + 8
+        for i, step in enumerate(steps[1:], start=2):
+            assert step["counted"] == step["wire"], f"rank {rank['rank']} step {i}"
+        assert rank["schemes"][scheme]["total_sent"] == sum(s["counted"] for s in steps)
+
+
+def test_one_packed_collective_per_replication_step(ranks):
+    for rank in ranks:
+        s = rank["schemes"]
+        for scheme in ("demo", "random", "striding", "full"):
+            assert [step["collectives"] for step in s[scheme]["per_step"][1:]] == [1] * 19
+        assert [step["collectives"] for step in s["diloco"]["per_step"][1:]] == [
+            1 if i % 5 == 0 else 0 for i in range(2, 21)
+        ]
+        assert [step["collectives"] for step in s["none"]["per_step"][1:]] == [0] * 19
+
+
+def test_dense_all_reduce_counterfactual_and_compression(ranks):
+    for rank in ranks:
+        for scheme in ALL:
+            result = rank["schemes"][scheme]
+            # Two replicas: a ring all-reduce sends exactly the gradient's bytes, every step.
+            assert result["total_dense"] == result["dense_expected"]
+        s = rank["schemes"]
+        assert s["demo"]["total_sent"] < s["full"]["total_sent"] == s["full"]["total_dense"]
+        assert s["diloco"]["total_sent"] * 5 == s["full"]["total_sent"]
+
+
+@pytest.mark.parametrize(
+    "config", ["demo", "demo_sign_mean", "demo_every2", "random", "striding", "full", "none", "diloco"]
+)
+def test_sharded_replicas_match_the_one_process_reference(ranks, config):
+    for rank in ranks:
+        result = rank["oracle"][config]
+        assert result["max_abs_err"] <= 1e-12 * max(1.0, result["scale"]), result
+        assert result.get("momentum_err", 0.0) <= 1e-12, result
+
+
+@pytest.mark.parametrize("scheme", ["demo", "random", "diloco"])
+def test_checkpoint_restores_every_replicas_own_state(ranks, scheme):
+    for rank in ranks:
+        result = rank["checkpoint"][scheme]
+        assert result["state_differs_across_replicas"], "test is void: replicas hold the same state"
+        assert result == {k: True for k in result}, result
+
+
+def test_hsdp_parameters_are_refused(ranks):
+    for rank in ranks:
+        message = rank["errors"]["hsdp"]
+        assert message and "HSDP" in message and "fully_shard" in message
+
+
+def test_multi_process_job_without_mesh_is_refused(ranks):
+    for rank in ranks:
+        message = rank["errors"]["no_mesh"]
+        assert message and "no inter-node group" in message and "attach" in message
+
+
+def test_replicas_start_from_replica_zero(ranks):
+    for rank in ranks:
+        assert rank["start_sync"] == {"differed_before": True, "equal_after": True}

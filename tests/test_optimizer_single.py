@@ -1,0 +1,144 @@
+"""FlexDeMo in one process (one replica): the reference, state round trips, odd tensors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_flexdemo import FlexDeMo
+from hf_flexdemo.compression import ChunkPlan
+from hf_flexdemo.optim.flexdemo_reference import FlexDeMoReference
+from hf_flexdemo.schemes import DeMoScheme, ParamSlot, StepContext
+from hf_flexdemo.state_store import StateStore, StateView
+from hf_flexdemo.topology import ReplicaTopology
+
+SHAPES = [(), (1,), (7,), (20, 12), (5, 3, 3), (6, 1, 2, 2)]
+SMALL = dict(topk=3, chunk=4, rate=0.25, inner_steps=3, lr=0.05, weight_decay=0.1, decay=0.9)
+
+
+def make_params(dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in SHAPES]
+
+
+def grads_for(step, params):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+
+
+@pytest.mark.parametrize("scheme", ["demo", "random", "striding", "full", "none", "diloco"])
+@pytest.mark.parametrize("sign", [False, True])
+def test_one_replica_matches_the_reference(scheme, sign):
+    params = make_params()
+    hp = {**SMALL, "scheme": scheme, "sign": sign}
+    ref = FlexDeMoReference([p.detach() for p in params], replicas=1, **hp)
+    opt = FlexDeMo(params, **hp)
+    for step in range(12):
+        grads = grads_for(step, params)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        ref.step([grads])
+    for p, q in zip(params, ref.params[0]):
+        torch.testing.assert_close(p.detach(), q, atol=1e-12, rtol=0)
+
+
+def train(opt, params, steps, first=0):
+    for step in range(first, first + steps):
+        for p, g in zip(params, grads_for(step, params)):
+            p.grad = g
+        opt.step()
+
+
+@pytest.mark.parametrize("scheme", ["demo", "random", "diloco"])
+def test_state_dict_round_trip_continues_the_same_run(scheme):
+    params = make_params()
+    opt = FlexDeMo(params, **{**SMALL, "scheme": scheme})
+    train(opt, params, 5)
+    saved_params = copy.deepcopy([p.detach() for p in params])
+    saved_state = copy.deepcopy(opt.state_dict())
+    train(opt, params, 5, first=5)
+
+    params2 = [torch.nn.Parameter(p.clone()) for p in saved_params]
+    opt2 = FlexDeMo(params2, **{**SMALL, "scheme": scheme})
+    opt2.load_state_dict(saved_state)
+    assert set(opt2.state_dict()) == {"state", "param_groups"}
+    train(opt2, params2, 5, first=5)
+    for p, q in zip(params, params2):
+        assert torch.equal(p, q)
+    assert opt2.total_stats == opt.total_stats
+
+
+def test_16_bit_parameters_keep_float32_moments_through_load_state_dict():
+    params = [torch.nn.Parameter(torch.randn(8, 8).to(torch.bfloat16))]
+    opt = FlexDeMo(params, lr=1e-2)
+    train(opt, params, 2)
+    assert opt.state[params[0]]["momentum_dct"].dtype == torch.float32
+    opt2 = FlexDeMo(params, lr=1e-2)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.state[params[0]]["momentum_dct"].dtype == torch.float32
+
+
+def test_zero_gradient_step_with_zero_lr_changes_nothing():
+    """torch.distributed.checkpoint initialises optimizer state this way on every rank."""
+    for scheme in ("demo", "random", "diloco", "full"):
+        params = make_params(seed=3)
+        before = [p.detach().clone() for p in params]
+        opt = FlexDeMo(params, **{**SMALL, "scheme": scheme, "lr": 0.0, "inner_steps": 1})
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for p, q in zip(params, before):
+            assert torch.equal(p.detach(), q)
+
+
+def test_parameter_without_gradient_counts_as_zero_gradient():
+    params = make_params()
+    opt = FlexDeMo(params, **SMALL)
+    params[0].grad = torch.ones_like(params[0])  # the others have none
+    opt.step()
+    assert all("momentum_dct" in opt.state[p] for p in params)
+
+
+def test_demo_payload_is_uint16_indices_and_values_in_the_chosen_dtype():
+    p = torch.nn.Parameter(torch.randn(128, 64))
+    p.grad = torch.randn(128, 64)
+    for value_dtype, expected in (("param", torch.float32), ("bf16", torch.bfloat16)):
+        opt = FlexDeMo([p], value_dtype=value_dtype)
+        store = StateStore(ReplicaTopology.single())
+        slot = ParamSlot(p.detach(), p.grad, StateView(store, p, p.detach(), {}), opt.param_groups[0], 1)
+        payload = DeMoScheme(opt.config).local_step(slot, StepContext(step=1, replicate=True, replicas=1))
+        indices, values = payload
+        plan = ChunkPlan.for_shape((128, 64), 64, 32)
+        assert indices.dtype == torch.uint16 and values.dtype == expected
+        assert indices.shape == values.shape == (plan.n_tiles, 32)
+
+
+def test_replicate_every_accumulates_without_moving_parameters():
+    params = make_params()
+    opt = FlexDeMo(params, **{**SMALL, "replicate_every": 3, "weight_decay": 0.0})
+    before = [p.detach().clone() for p in params]
+    train(opt, params, 2)
+    assert all(torch.equal(p.detach(), q) for p, q in zip(params, before))
+    train(opt, params, 1, first=2)
+    assert not all(torch.equal(p.detach(), q) for p, q in zip(params, before))
+
+
+def test_diloco_synchronize_runs_one_outer_step_once():
+    params = make_params()
+    opt = FlexDeMo(params, **{**SMALL, "scheme": "diloco", "inner_steps": 10})
+    train(opt, params, 4)
+    assert not opt.replicas_should_match
+    assert opt.synchronize() is True
+    assert opt.replicas_should_match
+    assert opt.synchronize() is False  # nothing to do twice at the same step
+
+
+def test_attach_after_the_first_step_is_refused():
+    params = make_params()
+    opt = FlexDeMo(params, **SMALL)
+    train(opt, params, 1)
+    with pytest.raises(RuntimeError, match="before the first step"):
+        opt.attach(None)

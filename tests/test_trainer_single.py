@@ -1,0 +1,103 @@
+"""Trainer integration checks that need one process: registration, validation, launcher."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator
+
+import hf_flexdemo
+from hf_flexdemo.integrations.trainer import flexdemo_kwargs, mark_mean_loss_model
+from support.launch import TESTS_DIR, run_checked, child_env, torchrun
+from support.tiny_hf import dataset, tiny_model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+def test_optim_flexdemo_parses_from_the_command_line():
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "out", "--optim", "flexdemo", "--optim_args", "scheme=random,rate=1/64", "--learning_rate", "2e-4"]
+    )
+    kwargs = flexdemo_kwargs(args)
+    assert (kwargs["scheme"], kwargs["rate"], kwargs["lr"]) == ("random", 1 / 64, 2e-4)
+
+
+@pytest.mark.parametrize(
+    "optim_args,message",
+    [
+        ("topk=0", "topk=0 is invalid; topk must be an integer in [1, 4096]"),
+        ("topk=8,colour=red", "unknown key 'colour'"),
+        ("scheme=adam", "scheme='adam' is invalid"),
+        ("topk", "not of the form key=value"),
+        ("lr=0.1", "--learning_rate"),
+    ],
+)
+def test_bad_optim_args_fail_when_the_trainer_is_built(tok, tmp_path, optim_args, message):
+    args = TrainingArguments(str(tmp_path), optim="flexdemo", optim_args=optim_args, use_cpu=True, report_to="none")
+    with pytest.raises(ValueError) as err:
+        Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=8))
+    assert message in str(err.value)
+
+
+def test_single_process_trainer_trains_with_flexdemo(tok, tmp_path):
+    args = TrainingArguments(
+        str(tmp_path), optim="flexdemo", optim_args="topk=8,chunk=16", learning_rate=1e-3, max_steps=12,
+        per_device_train_batch_size=8, logging_steps=1, use_cpu=True, report_to="none", save_strategy="no",
+    )
+    trainer = Trainer(
+        model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=64),
+        data_collator=default_data_collator,
+    )
+    trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, hf_flexdemo.FlexDeMo)
+    assert trainer.optimizer.optimizer.topology.size == 1
+    loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert sum(loss[-3:]) < sum(loss[:3])
+
+
+def test_t5_family_is_marked_as_averaging_its_own_loss(tok):
+    t5, llama = tiny_model("t5", len(tok)), tiny_model("llama", len(tok))
+    assert mark_mean_loss_model(t5) and t5.accepts_loss_kwargs is False
+    assert not mark_mean_loss_model(llama) and not hasattr(llama, "accepts_loss_kwargs")
+
+
+def test_launcher_runs_an_unmodified_trainer_script(tmp_path):
+    """accelerate launch -m hf_flexdemo.run <script>: the script never imports hf_flexdemo."""
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(TESTS_DIR / "configs" / "cpu_2x2.yaml"),
+        "-m", "hf_flexdemo.run", str(TESTS_DIR / "workers" / "plain_trainer_script.py"),
+        "--output_dir", str(tmp_path), "--max_steps", "4", "--per_device_train_batch_size", "4",
+        "--logging_steps", "1", "--report_to", "none", "--use_cpu", "--save_strategy", "no",
+        "--optim", "flexdemo", "--optim_args", "topk=8,chunk=16",
+    ]
+    run_checked(cmd, timeout=600, env=child_env())
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["optimizer"] == "FlexDeMo"
+    assert all("flexdemo/bytes_sent" in h for h in report["log_history"] if "loss" in h)
+
+
+def test_launcher_without_a_script_prints_usage():
+    proc = subprocess.run([sys.executable, "-m", "hf_flexdemo.run"], capture_output=True, text=True, env=child_env())
+    assert proc.returncode == 2 and "accelerate launch" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("ddp", "FlexDeMo needs FSDP2 inside each node"),
+        ("fsdp1", "FSDP version 1 is refused on CPU"),
+    ],
+)
+def test_layouts_that_would_train_unsynchronized_are_refused(tmp_path, case, message):
+    torchrun(TESTS_DIR / "workers" / "accelerate_refusals.py", 2, case, str(tmp_path))
+    for rank in range(2):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        assert message in text, text
+        assert "fsdp_version: 2" in text, text  # says what to write instead

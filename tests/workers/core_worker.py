@@ -1,0 +1,252 @@
+"""Core FlexDeMo checks in 2 simulated nodes x 2 processes (FSDP2 inside a node, gloo).
+
+Run by tests/test_core_distributed.py through torchrun; every rank writes rank<N>.json
+with what it measured, and the pytest side asserts on it. One start-up serves all checks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from hf_flexdemo import FlexDeMo
+from hf_flexdemo.compression import ChunkPlan, from_coefficients
+from hf_flexdemo.dtensor_utils import local_tensor
+from hf_flexdemo.optim.flexdemo_reference import FlexDeMoReference
+from hf_flexdemo.schemes.momentum import momentum_dtype
+from hf_flexdemo.state_store import StateStore
+from hf_flexdemo.topology import replica_fingerprints
+from support.comm_spy import CommSpy
+from support.tiny_models import OddShapes, batch
+
+SCHEMES = ("demo", "random", "striding", "full", "diloco", "none")
+SMALL = dict(topk=4, chunk=8, rate=0.25, inner_steps=5)
+
+
+def build(mesh, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    model = OddShapes().to(dtype)
+    fully_shard(model, mesh=mesh["shard"])
+    return model
+
+
+def train(model, opt, coords, steps, first_step=0, dtype=torch.float32, on_step=None):
+    losses = []
+    for step in range(first_step, first_step + steps):
+        x, y = batch(*coords, step, dtype=dtype)
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if on_step:
+            on_step()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def check_schemes(mesh, coords, spy) -> dict:
+    """Every scheme: loss, replica agreement after 20 steps, counters against the wire."""
+    out = {}
+    for scheme in SCHEMES:
+        model = build(mesh)
+        opt = FlexDeMo(model.parameters(), lr=1e-2, weight_decay=0.01, scheme=scheme, mesh=mesh, **SMALL)
+        per_step, losses = [], []
+        for step in range(20):
+            x, y = batch(*coords, step)
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            with spy.watching():
+                spy.clear()
+                opt.step()
+            inter = spy.inter_node()
+            per_step.append(
+                {
+                    "counted": opt.last_step_stats.bytes_sent,
+                    "wire": sum(c["bytes"] for c in inter),
+                    "collectives": len(inter),
+                    "counted_collectives": opt.last_step_stats.collectives,
+                    "dense": opt.last_step_stats.dense_bytes,
+                }
+            )
+            losses.append(loss.item())
+        fps = replica_fingerprints(list(model.parameters()), opt.topology)
+        total = opt.total_stats
+        out[scheme] = {
+            "losses": losses,
+            "replicas_equal": len(set(fps)) == 1,
+            "should_match": opt.replicas_should_match,
+            "per_step": per_step,
+            "total_sent": total.bytes_sent,
+            "total_dense": total.dense_bytes,
+            "dense_expected": sum(p.to_local().numel() * 4 for p in model.parameters()) * 20,
+        }
+    return out
+
+
+def check_oracle(mesh, coords) -> dict:
+    """Local shards against the one-process reference that simulates both replicas (float64)."""
+    configs = {
+        "demo": dict(scheme="demo", sign=False),
+        "demo_sign_mean": dict(scheme="demo", sign=True, decode="mean"),
+        "demo_every2": dict(scheme="demo", sign=False, replicate_every=2),
+        "random": dict(scheme="random", sign=False),
+        "striding": dict(scheme="striding", sign=False),
+        "full": dict(scheme="full", sign=False),
+        "none": dict(scheme="none", sign=False),
+        "diloco": dict(scheme="diloco", inner_steps=3),
+    }
+    group = mesh["replicate"].get_group()
+    replicas = mesh["replicate"].size()
+    out = {}
+    for name, hp in configs.items():
+        hp = {**SMALL, **hp, "lr": 0.05, "weight_decay": 0.1, "decay": 0.9}
+        model = build(mesh, dtype=torch.float64)
+        params = list(model.parameters())
+        opt = FlexDeMo(params, mesh=mesh, **hp)
+        ref = FlexDeMoReference([local_tensor(p).detach().clone() for p in params], replicas, **hp)
+        for step in range(8):
+            x, y = batch(*coords, step, dtype=torch.float64)
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            grads = []
+            for p in params:
+                g = local_tensor(p.grad).contiguous()
+                parts = [torch.empty_like(g) for _ in range(replicas)]
+                dist.all_gather(parts, g, group=group)
+                grads.append(parts)
+            ref.step([[grads[i][r] for i in range(len(params))] for r in range(replicas)])
+            opt.step()
+        mine = ref.params[coords[0]]
+        err = max((local_tensor(p) - q).abs().max().item() if q.numel() else 0.0 for p, q in zip(params, mine))
+        scale = max(q.abs().max().item() if q.numel() else 0.0 for q in mine)
+        result = {"max_abs_err": err, "scale": scale}
+        if hp["scheme"] in ("demo", "random", "striding"):
+            moms = ref.momenta[coords[0]]
+            result["momentum_err"] = max(
+                (spatial_momentum(opt, p, hp) - q).abs().max().item() if q.numel() else 0.0
+                for p, q in zip(params, moms)
+            )
+        out[name] = result
+    return out
+
+
+def spatial_momentum(opt, p, hp) -> torch.Tensor:
+    """The momentum as the reference keeps it (DeMo stores its DCT coefficients)."""
+    local = local_tensor(p)
+    if hp["scheme"] != "demo":
+        return StateStore.local(opt.state[p]["momentum"], local)
+    plan = ChunkPlan.for_shape(local.shape, hp["chunk"], hp["topk"])
+    return from_coefficients(StateStore.local(opt.state[p]["momentum_dct"], local), plan).view(local.shape)
+
+
+def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
+    """DCP save/load restores each replica's own state; a resumed run continues the same curve."""
+    out = {}
+    for scheme in ("demo", "random", "diloco"):
+        hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4}
+        model = build(mesh)
+        opt = FlexDeMo(model.parameters(), mesh=mesh, **hp)
+        train(model, opt, coords, 6)
+        opt.synchronize()  # DiLoCo: replicas agree before a save (what the Trainer callback does)
+        ckpt = ckpt_root / scheme
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+        key = {"demo": "momentum_dct", "random": "momentum", "diloco": "exp_avg"}[scheme]
+        params = list(model.parameters())
+        saved = [StateStore.local(opt.state[p][key], local_tensor(p)).clone() for p in params]
+        saved_total = opt.total_stats.bytes_sent
+        state_prints = replica_fingerprints(saved, opt.topology)
+        train(model, opt, coords, 4, first_step=6)
+        uninterrupted = [local_tensor(p).detach().clone() for p in params]
+
+        model2 = build(mesh, seed=123)  # different init: the load must overwrite everything
+        opt2 = FlexDeMo(model2.parameters(), mesh=mesh, **hp)
+        state = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+        dcp.load(state, checkpoint_id=ckpt)
+        set_model_state_dict(model2, state["model"])
+        set_optimizer_state_dict(model2, opt2, state["optim"])
+        params2 = list(model2.parameters())
+        loaded = [StateStore.local(opt2.state[p][key], local_tensor(p)).clone() for p in params2]
+        restored_total = opt2.total_stats.bytes_sent
+        train(model2, opt2, coords, 4, first_step=6)
+        out[scheme] = {
+            "state_differs_across_replicas": len(set(state_prints)) > 1,
+            "state_restored_exactly": all(torch.equal(a, b) for a, b in zip(saved, loaded)),
+            "state_dtype_kept": all(b.dtype == momentum_dtype(p) for b, p in zip(loaded, params2)),
+            "counters_restored": restored_total == saved_total,
+            "step_restored": int(opt2.state[params2[0]]["step"]) == 10,
+            "resume_matches": all(torch.equal(local_tensor(p), q) for p, q in zip(params2, uninterrupted)),
+        }
+    return out
+
+
+def check_errors(mesh) -> dict:
+    out = {}
+    # HSDP: FSDP itself would all-reduce across nodes; FlexDeMo must refuse it.
+    torch.manual_seed(0)
+    model = OddShapes()
+    fully_shard(model, mesh=mesh)
+    opt = FlexDeMo(model.parameters(), mesh=mesh, **SMALL)
+    try:
+        opt.step()
+        out["hsdp"] = None
+    except ValueError as e:
+        out["hsdp"] = str(e)
+    # No mesh in a multi-process job: never train unsynchronized.
+    model = build(mesh)
+    opt = FlexDeMo(model.parameters(), **SMALL)
+    try:
+        opt.step()
+        out["no_mesh"] = None
+    except RuntimeError as e:
+        out["no_mesh"] = str(e)
+    return out
+
+
+def check_start_sync(mesh) -> dict:
+    """Replicas that start from different parameters are brought to replica 0's on the first step."""
+    replica = mesh["replicate"].get_local_rank()
+    model = build(mesh, seed=replica)  # different init per replica
+    opt = FlexDeMo(model.parameters(), mesh=mesh, **SMALL)
+    before = replica_fingerprints(list(model.parameters()), opt.topology)
+    opt.step()  # no gradients: zero update, but the start check runs
+    after = replica_fingerprints(list(model.parameters()), opt.topology)
+    return {"differed_before": len(set(before)) > 1, "equal_after": len(set(after)) == 1}
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    coords = (mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank())
+    spy = CommSpy(processes_per_node=2)
+    result = {
+        "rank": rank,
+        "coords": coords,
+        "schemes": check_schemes(mesh, coords, spy),
+        "oracle": check_oracle(mesh, coords),
+        "checkpoint": check_checkpoint(mesh, coords, out_dir / "ckpt"),
+        "errors": check_errors(mesh),
+        "start_sync": check_start_sync(mesh),
+    }
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
