@@ -17,8 +17,10 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
+# T5 translation, offline preset, 2 simulated nodes x 2 processes on this machine's CPU.
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 training_scripts/quickstart_fsdp2.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_2x2.yaml \
+		training_scripts/train_t5.py --preset offline
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q

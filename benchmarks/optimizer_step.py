@@ -109,8 +109,10 @@ def main() -> None:
             print(f"{r['name']:28s} step {r['step_s'] * 1e3:8.1f} ms   sent/step {sent}   vs dense {ratio}", flush=True)
     if rank == 0:
         replicas = mesh.size() if mesh is not None else 1
-        print(f"\n{n_params / 1e6:.1f}M parameters (T5-small shapes), {replicas} replica(s), "
-              f"{torch.get_num_threads()} threads per process")
+        print(
+            f"\n{n_params / 1e6:.1f}M parameters (T5-small shapes), {replicas} replica(s), "
+            f"{torch.get_num_threads()} threads per process"
+        )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"params": n_params, "replicas": replicas, "results": results}, f, indent=1)

@@ -25,9 +25,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from optimizer_step import t5_small_shapes
-
 from detonation.optim.demo import DeMo  # not re-exported by detonation/__init__
+from optimizer_step import t5_small_shapes
 
 
 class _OneThatIsNotOne(int):
@@ -61,8 +60,14 @@ def main() -> None:
     params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
     grads = [torch.randn(s, generator=g) * 1e-3 for s in shapes]
     opt = DeMo(
-        params, compression_decay=0.999, compression_topk=32, compression_chunk=64, lr=1e-4,
-        detonation_sign=True, sharding_parallel_group=shard_group, replication_parallel_group=replicate_group,
+        params,
+        compression_decay=0.999,
+        compression_topk=32,
+        compression_chunk=64,
+        lr=1e-4,
+        detonation_sign=True,
+        sharding_parallel_group=shard_group,
+        replication_parallel_group=replicate_group,
     )
     replicator = opt.replicators[0]
     if args.force_compress and world == 1:

@@ -102,7 +102,9 @@ class StateView:
     def __init__(self, store: StateStore, param: torch.Tensor, local_param: torch.Tensor, state: dict):
         self.store, self.param, self.local_param, self.raw = store, param, local_param, state
 
-    def _get(self, key: str, make: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], init: Callable[[], torch.Tensor]):
+    def _get(
+        self, key: str, make: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], init: Callable[[], torch.Tensor]
+    ):
         if key not in self.raw:
             self.raw[key] = make(self.param, init())
         return StateStore.local(self.raw[key], self.local_param)

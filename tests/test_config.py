@@ -49,7 +49,13 @@ def test_bad_hyperparameter_in_a_param_group_is_refused(kwargs, value, allowed):
 
 def test_optim_args_are_parsed_with_types():
     config = FlexDeMoConfig.from_optim_args("topk=4, sign=false,rate=1/64,betas=0.9:0.95,scheme=random")
-    assert (config.topk, config.sign, config.rate, config.betas, config.scheme) == (4, False, 1 / 64, (0.9, 0.95), "random")
+    assert (config.topk, config.sign, config.rate, config.betas, config.scheme) == (
+        4,
+        False,
+        1 / 64,
+        (0.9, 0.95),
+        "random",
+    )
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ assert on what each rank measured.
 from __future__ import annotations
 
 import pytest
-
 from support.launch import TESTS_DIR, read_rank_results, torchrun
 
 SYNCING = ("demo", "random", "striding", "full", "diloco")

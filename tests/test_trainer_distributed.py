@@ -8,7 +8,6 @@ AdamW-HSDP baseline), a second resumes the T5 FlexDeMo run from its step-4 check
 from __future__ import annotations
 
 import pytest
-
 from support.accelerate_runs import accelerate_launch, losses, read_run
 
 RUNS = ("t5_flexdemo", "t5_adamw_torch", "olmo2_flexdemo", "olmo2_adamw_torch")

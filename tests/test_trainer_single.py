@@ -7,13 +7,13 @@ import subprocess
 import sys
 
 import pytest
-import torch
+from support.accelerate_runs import launch_command
+from support.launch import TESTS_DIR, child_env, run_checked, torchrun
+from support.tiny_hf import dataset, tiny_model, tokenizer
 from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator
 
 import hf_flexdemo
 from hf_flexdemo.integrations.trainer import flexdemo_kwargs, mark_mean_loss_model
-from support.launch import TESTS_DIR, run_checked, child_env, torchrun
-from support.tiny_hf import dataset, tiny_model, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,16 @@ def tok():
 
 def test_optim_flexdemo_parses_from_the_command_line():
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
-        ["--output_dir", "out", "--optim", "flexdemo", "--optim_args", "scheme=random,rate=1/64", "--learning_rate", "2e-4"]
+        [
+            "--output_dir",
+            "out",
+            "--optim",
+            "flexdemo",
+            "--optim_args",
+            "scheme=random,rate=1/64",
+            "--learning_rate",
+            "2e-4",
+        ]
     )
     kwargs = flexdemo_kwargs(args)
     assert (kwargs["scheme"], kwargs["rate"], kwargs["lr"]) == ("random", 1 / 64, 2e-4)
@@ -48,11 +57,21 @@ def test_bad_optim_args_fail_when_the_trainer_is_built(tok, tmp_path, optim_args
 
 def test_single_process_trainer_trains_with_flexdemo(tok, tmp_path):
     args = TrainingArguments(
-        str(tmp_path), optim="flexdemo", optim_args="topk=8,chunk=16", learning_rate=1e-3, max_steps=12,
-        per_device_train_batch_size=8, logging_steps=1, use_cpu=True, report_to="none", save_strategy="no",
+        str(tmp_path),
+        optim="flexdemo",
+        optim_args="topk=8,chunk=16",
+        learning_rate=1e-3,
+        max_steps=12,
+        per_device_train_batch_size=8,
+        logging_steps=1,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
     )
     trainer = Trainer(
-        model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=64),
+        model=tiny_model("llama", len(tok)),
+        args=args,
+        train_dataset=dataset("llama", tok, rows=64),
         data_collator=default_data_collator,
     )
     trainer.train()
@@ -70,13 +89,10 @@ def test_t5_family_is_marked_as_averaging_its_own_loss(tok):
 
 def test_launcher_runs_an_unmodified_trainer_script(tmp_path):
     """accelerate launch -m hf_flexdemo.run <script>: the script never imports hf_flexdemo."""
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(TESTS_DIR / "configs" / "cpu_2x2.yaml"),
-        "-m", "hf_flexdemo.run", str(TESTS_DIR / "workers" / "plain_trainer_script.py"),
-        "--output_dir", str(tmp_path), "--max_steps", "4", "--per_device_train_batch_size", "4",
-        "--logging_steps", "1", "--report_to", "none", "--use_cpu", "--save_strategy", "no",
-        "--optim", "flexdemo", "--optim_args", "topk=8,chunk=16",
-    ]
+    script = str(TESTS_DIR / "workers" / "plain_trainer_script.py")
+    flags = f"--output_dir {tmp_path} --max_steps 4 --per_device_train_batch_size 4 --logging_steps 1"
+    flags += " --report_to none --save_strategy no --optim flexdemo --optim_args topk=8,chunk=16"
+    cmd = launch_command("-m", "hf_flexdemo.run", script, *flags.split())
     run_checked(cmd, timeout=600, env=child_env())
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["optimizer"] == "FlexDeMo"

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import pydoc_data.topics
 import time
 
-import pydoc_data.topics
 import torch
 import torch.distributed as dist
 import torch.nn as nn

@@ -1,8 +1,12 @@
 """The Accelerate plugin: FSDP2 inside a node, FlexDeMo between nodes.
 
-Accelerate has no extension point for either job below, so :func:`install` wraps two of
+Accelerate has no extension point for the jobs below, so :func:`install` wraps three of
 its methods (idempotently, once per process; ``import hf_flexdemo`` calls it):
 
+- ``PartialState.__init__``: ``accelerate launch`` does not pass a config's ``use_cpu`` to
+  multi-process jobs, so on a machine without a GPU each process of a distributed launch
+  would believe it trains alone (N silent unsynchronized copies). A distributed launch
+  with no accelerator device runs on CPU with gloo instead.
 - ``AcceleratorState.__init__``: on a machine without a GPU, Accelerate turns
   ``distributed_type: FSDP`` into plain multi-CPU DDP without a word. The plugin keeps
   FSDP2 on (gloo), and refuses FSDP1 there, whose ``HYBRID_SHARD`` would silently train
@@ -12,7 +16,9 @@ its methods (idempotently, once per process; ``import hf_flexdemo`` calls it):
   nodes) and FlexDeMo gets the replicate dimension. Any other optimizer gets Accelerate's
   ordinary layout (HSDP when ``dp_replicate_size > 1``). FlexDeMo without FSDP2 in a
   multi-process job is refused. Under FSDP2 it also makes T5-style tied embedding
-  modules one module, which FSDP2 requires.
+  modules one module, which FSDP2 requires; keeps Accelerate from sharding an input
+  embedding twice when its block is auto-wrapped already (ViT); and flags the model as
+  FSDP-managed so that ``generate`` keeps all ranks stepping together.
 
 Layout: ``parallelism_config`` in the Accelerate YAML sets it; without one, FlexDeMo uses
 nodes x processes-per-node (``WORLD_SIZE / LOCAL_WORLD_SIZE`` x ``LOCAL_WORLD_SIZE``).
@@ -29,6 +35,7 @@ from accelerate import Accelerator
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
+from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
 from ..optim import FlexDeMo
 from ._patching import wrap_method
@@ -111,11 +118,57 @@ def share_tied_embedding_modules(model: torch.nn.Module) -> int:
     return replaced
 
 
+@contextlib.contextmanager
+def _no_double_sharded_input_embedding(accelerator: Accelerator, model: torch.nn.Module):
+    """Accelerate shards ``get_input_embeddings()`` by itself after auto-wrapping; when a wrapped
+    block already holds it (ViT's patch embedding inside ``ViTEmbeddings``), ``fully_shard``
+    meets its DTensors a second time and fails. Hide the embedding from that step."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if get else None
+    plugin = accelerator.state.fsdp_plugin
+    if embedding is None or plugin.auto_wrap_policy is None:
+        yield
+        return
+    plugin.set_auto_wrap_policy(model)
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    holders = [m for m in model.modules() if m is not model and m is not embedding and _contains(m, embedding)]
+    if policy is None or not any(policy(m) for m in holders):
+        yield
+        return
+    model.get_input_embeddings = lambda: None
+    try:
+        yield
+    finally:
+        del model.get_input_embeddings
+
+
+def _contains(module: torch.nn.Module, target: torch.nn.Module) -> bool:
+    return any(child is target for child in module.modules())
+
+
+def _mark_fsdp_managed(result) -> None:
+    """transformers turns on ``synced_gpus`` in ``generate`` only for modules with this flag,
+    which its own FSDP2 path sets and Accelerate's does not; without it, ranks that stop
+    decoding at different steps leave FSDP's all-gathers waiting forever."""
+    for obj in result if isinstance(result, (tuple, list)) else (result,):
+        if isinstance(obj, torch.nn.Module):
+            obj._is_fsdp_managed_module = True
+
+
 def _prepare(original, self: Accelerator, *args, **kwargs):
     if self.is_fsdp2:
-        for obj in args:
-            if isinstance(obj, torch.nn.Module):
-                share_tied_embedding_modules(obj)
+        with contextlib.ExitStack() as stack:
+            for obj in args:
+                if isinstance(obj, torch.nn.Module):
+                    share_tied_embedding_modules(obj)
+                    stack.enter_context(_no_double_sharded_input_embedding(self, obj))
+            result = _prepare_flexdemo_aware(original, self, *args, **kwargs)
+        _mark_fsdp_managed(result)
+        return result
+    return _prepare_flexdemo_aware(original, self, *args, **kwargs)
+
+
+def _prepare_flexdemo_aware(original, self: Accelerator, *args, **kwargs):
     flexdemo = find_flexdemo(args)
     if flexdemo is None:
         return original(self, *args, **kwargs)
@@ -156,6 +209,16 @@ def _prepare(original, self: Accelerator, *args, **kwargs):
     return result
 
 
+def launched_distributed() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("LOCAL_RANK", "-1")) != -1
+
+
+def _cpu_without_accelerator(original, self: PartialState, cpu: bool = False, **kwargs):
+    if not cpu and launched_distributed() and not torch.accelerator.is_available():
+        cpu = True  # otherwise every process would think it trains alone
+    original(self, cpu, **kwargs)
+
+
 def _keep_fsdp_on_cpu(original, self: AcceleratorState, *args, **kwargs):
     original(self, *args, **kwargs)
     plugin = kwargs.get("fsdp_plugin")
@@ -180,9 +243,10 @@ _INSTALLED = False
 
 
 def install() -> None:
-    """Wrap the two Accelerate methods (idempotent)."""
+    """Wrap the three Accelerate methods (idempotent)."""
     global _INSTALLED
     if not _INSTALLED:
+        wrap_method(PartialState, "__init__", _cpu_without_accelerator)
         wrap_method(AcceleratorState, "__init__", _keep_fsdp_on_cpu)
         wrap_method(Accelerator, "prepare", _prepare)
         _INSTALLED = True

@@ -31,7 +31,6 @@ from ..optim import FlexDeMo
 logger = logging.getLogger(__name__)
 
 
-
 class ReplicaDriftError(RuntimeError):
     """Replicas that should be identical hold different parameters."""
 
@@ -57,6 +56,8 @@ class FlexDeMoCallback(TrainerCallback):
         self._node_group = None
         self._last = None  # (global_step, totals) at the last log
         self._pending: dict[str, float] = {}
+        self.figures: dict[str, float] = {}
+        """Node 0's latest figures (the logged keys), refreshed at logging steps and at the end."""
 
     # -- before training -----------------------------------------------------------------
 
@@ -118,6 +119,7 @@ class FlexDeMoCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
         if self._optimizer is not None:
             self._optimizer.synchronize()
+            self._figures(state.global_step)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -157,4 +159,5 @@ class FlexDeMoCallback(TrainerCallback):
         }
         if sent:
             figures["flexdemo/compression_ratio"] = dense / sent
+        self.figures = figures
         return figures

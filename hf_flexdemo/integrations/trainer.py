@@ -24,8 +24,8 @@ from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from ..config import FlexDeMoConfig, parse_optim_args
-from ._patching import wrap_method
 from ..optim import FlexDeMo
+from ._patching import wrap_method
 from .callback import FlexDeMoCallback
 
 logger = logging.getLogger(__name__)

@@ -6,29 +6,23 @@ import json
 import sys
 from pathlib import Path
 
-from .launch import TESTS_DIR, run_checked, child_env
+from .launch import TESTS_DIR, child_env, run_checked
 
-COMMON = [
-    "--max_steps", "8",
-    "--per_device_train_batch_size", "4",
-    "--gradient_accumulation_steps", "2",
-    "--learning_rate", "1e-3",
-    "--logging_steps", "1",
-    "--save_steps", "4",
-    "--report_to", "none",
-    "--use_cpu",
-    "--seed", "7",
-    "--optim_args", "topk=8,chunk=16",
-]
+COMMON = (
+    "--max_steps 8 --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --learning_rate 1e-3 "
+    "--logging_steps 1 --save_steps 4 --report_to none --seed 7 --optim_args topk=8,chunk=16"
+).split()
 
 
-def accelerate_launch(output_dir: Path, runs: str, *extra: str, config: str = "cpu_2x2.yaml", timeout: float = 900):
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(TESTS_DIR / "configs" / config),
-        str(TESTS_DIR / "workers" / "trainer_worker.py"),
-        "--runs", runs, "--output_dir", str(output_dir), *COMMON, *extra,
-    ]
+def launch_command(*script_and_args: str, config: str = "cpu_2x2.yaml") -> list[str]:
+    """``accelerate launch`` with a test config, as a user would run it."""
+    config_path = str(TESTS_DIR / "configs" / config)
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_path, *script_and_args]
+
+
+def accelerate_launch(output_dir: Path, runs: str, *extra: str, timeout: float = 900):
+    worker = str(TESTS_DIR / "workers" / "trainer_worker.py")
+    cmd = launch_command(worker, "--runs", runs, "--output_dir", str(output_dir), *COMMON, *extra)
     return run_checked(cmd, timeout=timeout, env=child_env())
 
 

@@ -17,7 +17,9 @@ def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT), env.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join(
+            [str(TESTS_DIR), str(REPO_ROOT / "training_scripts"), str(REPO_ROOT), env.get("PYTHONPATH", "")]
+        ),
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 
 import hf_flexdemo
-from accelerate import Accelerator
 
 
 def main():

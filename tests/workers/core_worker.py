@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from support.comm_spy import CommSpy
+from support.tiny_models import OddShapes, batch
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -29,8 +31,6 @@ from hf_flexdemo.optim.flexdemo_reference import FlexDeMoReference
 from hf_flexdemo.schemes.momentum import momentum_dtype
 from hf_flexdemo.state_store import StateStore
 from hf_flexdemo.topology import replica_fingerprints
-from support.comm_spy import CommSpy
-from support.tiny_models import OddShapes, batch
 
 SCHEMES = ("demo", "random", "striding", "full", "diloco", "none")
 SMALL = dict(topk=4, chunk=8, rate=0.25, inner_steps=5)
@@ -163,7 +163,9 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
         train(model, opt, coords, 6)
         opt.synchronize()  # DiLoCo: replicas agree before a save (what the Trainer callback does)
         ckpt = ckpt_root / scheme
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt)
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt
+        )
         key = {"demo": "momentum_dct", "random": "momentum", "diloco": "exp_avg"}[scheme]
         params = list(model.parameters())
         saved = [StateStore.local(opt.state[p][key], local_tensor(p)).clone() for p in params]

@@ -1,15 +1,14 @@
 """An ordinary Trainer script that knows nothing about hf_flexdemo (for the launcher test).
 
-    accelerate launch -m hf_flexdemo.run tests/workers/plain_trainer_script.py --optim flexdemo ...
+accelerate launch -m hf_flexdemo.run tests/workers/plain_trainer_script.py --optim flexdemo ...
 """
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
-
 from support.tiny_hf import dataset, tiny_model, tokenizer
+from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
 
 
 @dataclass
@@ -23,7 +22,9 @@ def main():
     tok = tokenizer()
     model = tiny_model(model_args.model_kind, len(tok))
     trainer = Trainer(
-        model=model, args=training_args, train_dataset=dataset(model_args.model_kind, tok),
+        model=model,
+        args=training_args,
+        train_dataset=dataset(model_args.model_kind, tok),
         data_collator=default_data_collator,
     )
     trainer.train()

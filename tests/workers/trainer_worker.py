@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from support.comm_spy import CommSpy
+from support.tiny_hf import dataset, tiny_model, tokenizer
 from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
 
 import hf_flexdemo  # noqa: F401  (registers optim="flexdemo" and the Accelerate plugin)
 from hf_flexdemo.integrations.callback import unwrap_flexdemo
 from hf_flexdemo.topology import ReplicaTopology, replica_fingerprints
-from support.comm_spy import CommSpy
-from support.tiny_hf import dataset, tiny_model, tokenizer
 
 
 @dataclasses.dataclass
@@ -38,7 +38,9 @@ def run_one(model_kind: str, optim: str, args: TrainingArguments, tok, spy: Comm
     out = Path(args.output_dir)
     set_seed(args.seed)
     model = tiny_model(model_kind, len(tok))
-    trainer = Trainer(model=model, args=args, train_dataset=dataset(model_kind, tok), data_collator=default_data_collator)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=dataset(model_kind, tok), data_collator=default_data_collator
+    )
     spy.clear()
     with spy.watching():
         trainer.train(resume_from_checkpoint=resume)
@@ -70,9 +72,7 @@ def main() -> None:
     spy = CommSpy(processes_per_node=runs.processes_per_node)
     for item in runs.runs.split(","):
         model_kind, optim = item.split(":")
-        args = dataclasses.replace(
-            base, optim=optim, output_dir=str(Path(base.output_dir) / f"{model_kind}_{optim}")
-        )
+        args = dataclasses.replace(base, optim=optim, output_dir=str(Path(base.output_dir) / f"{model_kind}_{optim}"))
         run_one(model_kind, optim, args, tok, spy, base.resume_from_checkpoint)
 
 

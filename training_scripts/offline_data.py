@@ -1,0 +1,101 @@
+"""Offline presets: real data that installed packages ship, and tokenizers trained on the spot.
+
+Nothing here touches the network, so the scripts' ``--preset offline`` runs anywhere:
+
+- English text: the Python documentation topics in ``pydoc_data`` (standard library,
+  about 65k words);
+- English -> French (or German, ...) pairs: Django's translation catalogs (``.po`` files
+  of its core and contrib apps, about 800 short UI sentences per language), read with polib;
+- images: scikit-learn's 1,797 handwritten digits (8 x 8 grey levels, 10 classes);
+- tokenizers: trained with ``tokenizers`` on that text in about a second, wrapped in
+  ``PreTrainedTokenizerFast`` (a T5-style Unigram with ``</s>``, or a byte-level BPE).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import numpy as np
+from datasets import Dataset, DatasetDict
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+
+def english_paragraphs() -> list[str]:
+    """Paragraphs of English from Python's own documentation (``pydoc_data``)."""
+    import pydoc_data.topics
+
+    paragraphs = []
+    for topic in pydoc_data.topics.topics.values():
+        for block in re.split(r"\n\s*\n", topic):
+            text = " ".join(block.split())
+            if len(text) > 40 and not text.startswith(("***", ">>>", "...")):
+                paragraphs.append(text)
+    return paragraphs
+
+
+def translation_pairs(source: str = "en", target: str = "fr") -> list[dict[str, str]]:
+    """``{source: ..., target: ...}`` pairs from Django's message catalogs (source must be English)."""
+    import django
+    import polib
+
+    if source != "en":
+        raise ValueError(f"offline translation pairs: source={source!r}; Django's catalogs translate from 'en'.")
+    root = os.path.dirname(django.__file__)
+    files = sorted(glob.glob(f"{root}/conf/locale/{target}/LC_MESSAGES/*.po"))
+    files += sorted(glob.glob(f"{root}/contrib/*/locale/{target}/LC_MESSAGES/*.po"))
+    if not files:
+        raise ValueError(f"offline translation pairs: Django has no catalogs for target={target!r}.")
+    pairs: dict[str, str] = {}
+    for path in files:
+        for entry in polib.pofile(path):
+            if entry.msgid and entry.msgstr and not entry.obsolete and "fuzzy" not in entry.flags:
+                pairs.setdefault(entry.msgid, entry.msgstr)
+    return [{source: s, target: t} for s, t in pairs.items()]
+
+
+def digit_images() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's handwritten digits as ``uint8`` images (N, 8, 8) and labels (N,)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return (digits.images * (255 / 16)).round().astype(np.uint8), digits.target.astype(np.int64)
+
+
+def split(dataset: Dataset, eval_fraction: float, seed: int = 0) -> DatasetDict:
+    """A seeded train/validation split."""
+    parts = dataset.train_test_split(test_size=eval_fraction, seed=seed)
+    return DatasetDict(train=parts["train"], validation=parts["test"])
+
+
+def t5_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A T5-style tokenizer: Unigram over Metaspace pieces, ``<pad>``=0, ``</s>``=1, ``<unk>``=2."""
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=True
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def bpe_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE for causal LMs: ``<pad>``=0, ``<|endoftext|>``=1 (end of document)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=True,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )

@@ -1,0 +1,304 @@
+"""What the ready-made scripts share.
+
+- argument parsing with ``--optim flexdemo`` by default and ``--preset`` defaults that any
+  flag still overrides (``--hub_token`` moves to ``HF_TOKEN``, out of ``training_args.bin``);
+- the final save of full weights (FSDP2 with a sharded state dict saves none);
+- the model card rendered from ``model_cards/flexdemo.md``;
+- the Hub push, with a clear error that leaves the local files whole;
+- the end-of-run summary: metrics and the inter-node bytes against AdamW with HSDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.metadata
+import logging
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from huggingface_hub import ModelCard, ModelCardData, constants
+from huggingface_hub.errors import HfHubHTTPError
+from transformers import AutoConfig, HfArgumentParser, Trainer, TrainingArguments
+
+from hf_flexdemo import FlexDeMoCallback  # importing hf_flexdemo registers optim="flexdemo"
+from hf_flexdemo.integrations.trainer import describe, is_flexdemo, layout
+
+logger = logging.getLogger(__name__)
+
+CARD_TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "flexdemo.md"
+
+
+@dataclasses.dataclass
+class ScriptArguments:
+    """What every script takes besides TrainingArguments (each script sets its own defaults)."""
+
+    preset: str = dataclasses.field(
+        default="hub",
+        metadata={"help": "'hub': the paper's model and data from the Hub; 'offline': a tiny model and shipped data."},
+    )
+    model_name_or_path: str = dataclasses.field(default="", metadata={"help": "Hub id or local path."})
+    from_config: bool = dataclasses.field(default=False, metadata={"help": "Random weights from the model's config."})
+    dataset_name: str = dataclasses.field(default="", metadata={"help": "Hub dataset id or local path."})
+    eval_fraction: float = dataclasses.field(
+        default=0.05, metadata={"help": "Held out when there is no validation split."}
+    )
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+
+    @property
+    def offline(self) -> bool:
+        return self.preset == "offline"
+
+
+OFFLINE_DEFAULTS = dict(save_strategy="no", report_to="none", logging_steps=10, warmup_steps=10)
+"""What every offline preset starts from (a short CPU demo)."""
+
+
+def parse_arguments(
+    types: Sequence[type], presets: dict[str, dict[str, Any]], common: dict[str, Any], argv: list[str] | None = None
+):
+    """``HfArgumentParser`` over ``types``; ``--preset`` picks defaults, explicit flags win."""
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--preset", default="hub")
+    preset = probe.parse_known_args(argv)[0].preset
+    if preset not in presets:
+        raise ValueError(f"--preset={preset!r} is invalid; choose one of {sorted(presets)}.")
+    parser = HfArgumentParser(types)
+    base = OFFLINE_DEFAULTS if preset == "offline" else {}
+    parser.set_defaults(**{"optim": "flexdemo", **common, **base, **presets[preset]})
+    parsed = parser.parse_args_into_dataclasses(args=argv)
+    for args in parsed:
+        if isinstance(args, TrainingArguments) and args.hub_token:
+            hide_token(args)
+    return parsed
+
+
+def hide_token(args: TrainingArguments) -> None:
+    """Move ``--hub_token`` to ``HF_TOKEN``, out of everything that gets written or uploaded.
+
+    The Trainer pickles TrainingArguments into ``training_args.bin`` and pushes that file,
+    and wandb records the command line; huggingface_hub reads ``HF_TOKEN`` by itself.
+    """
+    os.environ["HF_TOKEN"] = args.hub_token
+    sys.argv = [_redact(arg, args.hub_token) for arg in sys.argv]
+    args.hub_token = None
+    logger.warning("--hub_token was moved to HF_TOKEN for this run; prefer `hf auth login` or HF_TOKEN.")
+
+
+def _redact(arg: str, token: str) -> str:
+    return arg.replace(token, "<redacted>") if token in arg else arg
+
+
+def hub_model(auto_class, args: ScriptArguments, **kwargs):
+    """The checkpoint ``args.model_name_or_path``, or random weights from its config with ``--from_config``."""
+    if args.from_config:
+        return auto_class.from_config(AutoConfig.from_pretrained(args.model_name_or_path, **kwargs))
+    return auto_class.from_pretrained(args.model_name_or_path, **kwargs)
+
+
+def limit_samples(data, args: ScriptArguments) -> None:
+    """Apply ``--max_train_samples`` / ``--max_eval_samples`` in place."""
+    for split_name, limit in (("train", args.max_train_samples), ("validation", args.max_eval_samples)):
+        if limit:
+            data[split_name] = data[split_name].select(range(min(limit, len(data[split_name]))))
+
+
+def card_info(args: ScriptArguments, description: str, data_text: str, tags: list[str]) -> dict[str, Any]:
+    """What the model card says about the model and its data."""
+    return {
+        "model_description": description,
+        "dataset_description": data_text,
+        "datasets": None if args.offline else [args.dataset_name],
+        "base_model": None if args.offline or args.from_config else args.model_name_or_path,
+        "license": "apache-2.0",
+        "tags": tags,
+    }
+
+
+def train_and_report(trainer: Trainer, headline: Sequence[str], derived=None) -> dict[str, float]:
+    """Train, evaluate, save full weights and the card, push if asked, print the summary.
+
+    ``derived(metrics)`` may add metrics computed from the evaluation (e.g. perplexity).
+    """
+    args = trainer.args
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    metrics = trainer.evaluate(metric_key_prefix="eval")
+    if derived:
+        extra = derived(metrics)
+        metrics.update(extra)
+        trainer.log(extra)
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)
+    save_full_model(trainer)
+    trainer.create_model_card()
+    if args.push_to_hub:
+        push_to_hub(trainer)
+    print_summary(trainer, metrics, headline)
+    return metrics
+
+
+# -- saving, card, push --------------------------------------------------------------------
+
+
+def save_full_model(trainer: Trainer) -> None:
+    """Save full weights to ``output_dir`` (call on every process: gathering is collective)."""
+    accelerator = trainer.accelerator
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+        trainer.save_model()
+        return
+    state_dict = accelerator.get_state_dict(trainer.model)  # gathers the shards
+    if trainer.args.should_save:
+        accelerator.unwrap_model(trainer.model).save_pretrained(trainer.args.output_dir, state_dict=state_dict)
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(trainer.args.output_dir)
+
+
+class CardMixin:
+    """Trainer mixin: the model card is rendered from ``model_cards/flexdemo.md``.
+
+    The script sets ``trainer.card_info`` (``model_description``, ``dataset_description``,
+    ``datasets``, ``base_model``, ``tags``) before training.
+    """
+
+    card_info: dict[str, Any] = {}
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        if self.is_world_process_zero():
+            path = Path(self.args.output_dir) / "README.md"
+            render_model_card(self, self.card_info).save(path)
+
+
+def render_model_card(trainer: Trainer, info: dict[str, Any]) -> ModelCard:
+    args = trainer.args
+    figures = comm_figures(trainer)
+    metrics = {k: _fmt(v) for k, v in final_metrics(trainer.state.log_history).items()}
+    card_data = ModelCardData(
+        library_name="transformers",
+        license=info.get("license"),
+        base_model=info.get("base_model"),
+        datasets=info.get("datasets"),
+        tags=["flexdemo", "fsdp2", *info.get("tags", [])],
+    )
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(CARD_TEMPLATE),
+        model_name=Path(args.hub_model_id or args.output_dir).name,
+        model_description=info.get("model_description", "a model"),
+        dataset_description=info.get("dataset_description", ""),
+        optimizer=describe(args) if is_flexdemo(args) else str(getattr(args.optim, "value", args.optim)),
+        layout=layout(trainer),
+        flexdemo=is_flexdemo(args),
+        steps=trainer.state.global_step,
+        bytes_sent=_bytes(figures["sent"]),
+        dense_bytes=_bytes(figures["dense"]),
+        ratio=f"{figures['dense'] / figures['sent']:.0f}x" if figures["sent"] else "n/a",
+        metrics=metrics,
+        hyperparameters={
+            "learning_rate": args.learning_rate,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "total_train_batch_size": args.per_device_train_batch_size
+            * args.gradient_accumulation_steps
+            * args.world_size,
+            "training_steps": trainer.state.global_step,
+            "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+            "weight_decay": args.weight_decay,
+            "max_grad_norm": args.max_grad_norm,
+            "mixed_precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "no",
+            "seed": args.seed,
+        },
+        versions={name: _version(name) for name in ("hf-flexdemo", "transformers", "accelerate", "torch", "datasets")},
+    )
+
+
+@contextlib.contextmanager
+def hub_errors(args: TrainingArguments):
+    """Turn a refused or failed Hub request into one clear error; local files stay as they are."""
+    try:
+        yield
+    except (HfHubHTTPError, httpx.HTTPError) as error:
+        repo = args.hub_model_id or Path(args.output_dir).name
+        raise SystemExit(
+            f"Pushing to the Hub at {constants.ENDPOINT} (repo {repo!r}) failed: {error}\n"
+            f"Nothing local was lost: {os.path.abspath(args.output_dir)} holds the complete model and checkpoints. "
+            "Fix the cause (token rights, repo name, network) and push again, e.g. "
+            f"`hf upload {repo} {args.output_dir}`."
+        ) from None
+
+
+def push_to_hub(trainer: Trainer) -> None:
+    """The final push (model, tokenizer, card); on every process, like ``Trainer.push_to_hub``."""
+    with hub_errors(trainer.args):
+        trainer.push_to_hub(commit_message="End of training", blocking=True)
+
+
+# -- figures -------------------------------------------------------------------------------
+
+
+def final_metrics(log_history: list[dict[str, Any]]) -> dict[str, float]:
+    """The last evaluation's metrics and the final training loss."""
+    out: dict[str, float] = {}
+    for entry in log_history:
+        out.update(
+            {k: v for k, v in entry.items() if k.startswith("eval_") and not k.endswith(("_runtime", "per_second"))}
+        )
+        if "train_loss" in entry:
+            out["train_loss"] = entry["train_loss"]
+    return out
+
+
+def comm_figures(trainer: Trainer) -> dict[str, float]:
+    """Node 0's inter-node bytes so far and what AdamW with HSDP's dense all-reduce would send."""
+    callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FlexDeMoCallback)), None)
+    if callback is not None and callback.figures:
+        return {"sent": callback.figures["flexdemo/bytes_sent"], "dense": callback.figures["flexdemo/dense_bytes"]}
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    replicas = config.dp_replicate_size if config is not None else 1
+    grad_bytes = sum(p.numel() * 4 for p in trainer.model.parameters() if p.requires_grad)
+    dense = 2 * (replicas - 1) / replicas * grad_bytes * trainer.state.global_step
+    return {"sent": dense, "dense": dense}
+
+
+def print_summary(trainer: Trainer, metrics: dict[str, float], headline: Sequence[str]) -> None:
+    """The end-of-run lines on the main process: headline metrics, then the bytes."""
+    if not trainer.is_world_process_zero():
+        return
+    shown = " | ".join(f"{k.removeprefix('eval_')} {_fmt(metrics[k])}" for k in headline if k in metrics)
+    figures = comm_figures(trainer)
+    print(f"\n== {Path(trainer.args.output_dir).name}: {trainer.state.global_step} steps on {layout(trainer)}")
+    print(f"   {shown}")
+    if is_flexdemo(trainer.args):
+        ratio = figures["dense"] / figures["sent"] if figures["sent"] else math.inf
+        print(
+            f"   inter-node bytes sent by node 0: {_bytes(figures['sent'])} with {describe(trainer.args)}; "
+            f"AdamW with HSDP would have sent {_bytes(figures['dense'])} ({ratio:.0f}x more)"
+        )
+    else:
+        print(f"   inter-node bytes sent by node 0 (dense all-reduce): {_bytes(figures['dense'])}")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,156 @@
+"""Pretrain OLMo2 from its config (or continue training a checkpoint) with FlexDeMo.
+
+    # Offline, on one CPU machine as 2 simulated nodes x 2 processes:
+    accelerate launch --config_file accelerate_configs/cpu_2x2.yaml training_scripts/train_olmo2.py --preset offline
+    # The AdamW-HSDP baseline on the same data and model:
+    accelerate launch --config_file accelerate_configs/cpu_2x2.yaml training_scripts/train_olmo2.py \
+        --preset offline --optim adamw_torch --output_dir outputs/olmo2-offline-adamw
+
+    # OLMo-2 1B from its config on WikiText-103, 2 GPU nodes x 8; run on every node:
+    accelerate launch --config_file accelerate_configs/flexdemo.yaml \
+        --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR \
+        training_scripts/train_olmo2.py --optim_args "topk=32,chunk=64" --bf16
+    # Continued training of the released checkpoint instead:  add --no_from_config
+
+Every `TrainingArguments` flag works; `--optim flexdemo` is the default. The offline preset
+trains a tiny OLMo2 built from a config, with a byte-level BPE trained on the spot, on the
+English text of Python's documentation. Perplexity is exp(validation loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from itertools import chain
+
+from datasets import Dataset, load_dataset
+from offline_data import bpe_tokenizer, english_paragraphs, split
+from script_utils import (
+    CardMixin,
+    ScriptArguments,
+    card_info,
+    hub_errors,
+    hub_model,
+    limit_samples,
+    parse_arguments,
+    train_and_report,
+)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+)
+
+
+@dataclasses.dataclass
+class Olmo2Arguments(ScriptArguments):
+    model_name_or_path: str = "allenai/OLMo-2-0425-1B"
+    from_config: bool = True  # pretraining; --no_from_config continues the checkpoint
+    dataset_name: str = "Salesforce/wikitext"
+    dataset_config_name: str | None = "wikitext-103-raw-v1"
+    text_column: str = "text"
+    block_size: int = dataclasses.field(default=1024, metadata={"help": "Tokens per training sequence."})
+    eval_fraction: float = 0.01
+    vocab_size: int = dataclasses.field(default=4096, metadata={"help": "offline: tokenizer vocabulary."})
+    hidden_size: int = dataclasses.field(default=128, metadata={"help": "offline: model width."})
+    num_layers: int = dataclasses.field(default=2, metadata={"help": "offline: decoder layers."})
+
+
+COMMON = dict(eval_strategy="no")
+PRESETS = {
+    "hub": dict(
+        output_dir="outputs/olmo2-wikitext", learning_rate=3e-4, max_steps=10_000, per_device_train_batch_size=8
+    ),
+    "offline": dict(
+        output_dir="outputs/olmo2-offline",
+        block_size=128,
+        learning_rate=2e-3,
+        num_train_epochs=3,
+        per_device_train_batch_size=8,
+    ),
+}
+
+
+def load_texts(args: Olmo2Arguments, seed: int):
+    """(train, validation) datasets with one "text" column."""
+    if args.offline:
+        return split(Dataset.from_dict({"text": english_paragraphs()}), 0.1, seed)
+    raw = load_dataset(args.dataset_name, args.dataset_config_name)
+    if "validation" not in raw:
+        raw = split(raw["train"], args.eval_fraction, seed)
+    return raw.rename_column(args.text_column, "text") if args.text_column != "text" else raw
+
+
+def build_model_and_tokenizer(args: Olmo2Arguments, train: Dataset):
+    if args.offline:
+        tokenizer = bpe_tokenizer(list(train["text"]), args.vocab_size)
+        config = Olmo2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=args.hidden_size,
+            intermediate_size=4 * args.hidden_size,
+            num_hidden_layers=args.num_layers,
+            num_attention_heads=4,
+            max_position_embeddings=args.block_size,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        return Olmo2ForCausalLM(config), tokenizer
+    return hub_model(AutoModelForCausalLM, args), AutoTokenizer.from_pretrained(args.model_name_or_path)
+
+
+class LanguageModelTrainer(CardMixin, Trainer):
+    pass
+
+
+def main() -> None:
+    args, training_args = parse_arguments((Olmo2Arguments, TrainingArguments), PRESETS, COMMON)
+    with training_args.main_process_first(desc="loading data"):
+        data = load_texts(args, training_args.seed)
+    limit_samples(data, args)
+    model, tokenizer = build_model_and_tokenizer(args, data["train"])
+
+    def tokenize(batch):
+        return tokenizer([t + tokenizer.eos_token for t in batch["text"] if t.strip()])
+
+    def group(batch):
+        """Concatenate documents and cut them into blocks of block_size tokens."""
+        joined = {k: list(chain(*batch[k])) for k in batch}
+        usable = len(joined["input_ids"]) // args.block_size * args.block_size
+        blocks = {k: [v[i : i + args.block_size] for i in range(0, usable, args.block_size)] for k, v in joined.items()}
+        blocks["labels"] = [list(b) for b in blocks["input_ids"]]
+        return blocks
+
+    with training_args.main_process_first(desc="tokenizing"):
+        tokenized = data.map(tokenize, batched=True, remove_columns=["text"], desc="Tokenizing")
+        blocks = tokenized.map(group, batched=True, desc=f"Grouping into blocks of {args.block_size}")
+
+    with hub_errors(training_args):
+        trainer = LanguageModelTrainer(
+            model=model,
+            args=training_args,
+            train_dataset=blocks["train"],
+            eval_dataset=blocks["validation"],
+            processing_class=tokenizer,
+            data_collator=default_data_collator,
+        )
+    dataset = "the English text of Python's documentation (pydoc_data)" if args.offline else args.dataset_name
+    trainer.card_info = card_info(
+        args,
+        "an OLMo2 causal language model" + (" pretrained from its config" if args.from_config else ""),
+        f"{dataset} ({len(blocks['train'])} training blocks of {args.block_size} tokens).",
+        ["text-generation", "olmo2"],
+    )
+    train_and_report(
+        trainer,
+        ["eval_loss", "eval_perplexity"],
+        derived=lambda m: {"eval_perplexity": math.exp(min(m["eval_loss"], 50.0))},
+    )
+
+
+if __name__ == "__main__":
+    main()
