@@ -63,6 +63,10 @@ class FlexDeMoConfig:
     outer_momentum: float = field(default=0.9, metadata={"help": "diloco: momentum of the outer Nesterov SGD."})
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "diloco: inner AdamW betas."})
     eps: float = field(default=1e-8, metadata={"help": "diloco: inner AdamW epsilon."})
+    overlap: bool = field(
+        default=False,
+        metadata={"help": "Per-step schemes: apply each step's exchange one step late, hiding it behind compute."},
+    )
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
@@ -76,6 +80,13 @@ class FlexDeMoConfig:
                 f"FlexDeMo: replicate_every={self.replicate_every} applies to the per-step schemes "
                 f"{PER_STEP_SCHEMES}, not to scheme={self.scheme!r}; leave it at 1"
                 + (" and set inner_steps instead." if self.scheme == "diloco" else ".")
+            )
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"FlexDeMo: overlap={self.overlap!r} is invalid; overlap must be True or False.")
+        if self.overlap and self.scheme not in PER_STEP_SCHEMES:
+            raise ValueError(
+                f"FlexDeMo: overlap=True applies to the per-step schemes {PER_STEP_SCHEMES}, not to "
+                f"scheme={self.scheme!r}."
             )
         _check_float("rate", self.rate, low=0.0, high=1.0, low_open=True)
         _check_int("seed", self.seed, low=0)

@@ -20,10 +20,10 @@ from .dtensor_utils import local_tensor
 logger = logging.getLogger(__name__)
 
 
-def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None) -> None:
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
     """``all_gather_into_tensor`` under its torch >= 2.13 name (the old one is deprecated there)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
+    return gather(output, tensor, group=group, async_op=async_op)
 
 
 REPLICATE_DIM_NAMES = ("dp_replicate", "replicate")

@@ -83,12 +83,30 @@ def test_sharded_replicas_match_the_one_process_reference(ranks, config):
         assert result.get("momentum_err", 0.0) <= 1e-12, result
 
 
-@pytest.mark.parametrize("scheme", ["demo", "random", "diloco"])
+@pytest.mark.parametrize("scheme", ["demo", "random", "diloco", "demo_overlap"])
 def test_checkpoint_restores_every_replicas_own_state(ranks, scheme):
     for rank in ranks:
         result = rank["checkpoint"][scheme]
         assert result["state_differs_across_replicas"], "test is void: replicas hold the same state"
         assert result == {k: True for k in result}, result
+
+
+def test_overlap_applies_the_same_updates_one_step_late(ranks):
+    for rank in ranks:
+        result = rank["overlap"]
+        assert result["equal_to_plain"]
+        assert result["overlap=True"]["pending_before_flush"] and not result["overlap=False"]["pending_before_flush"]
+        for mode in ("overlap=False", "overlap=True"):
+            assert result[mode]["replicas_equal"]
+            # The wire also carries the one-off start check (8 bytes) besides the counted exchange.
+            assert result[mode]["wire"] == result[mode]["counted"] + 8
+
+
+def test_a_drifting_replica_is_caught(ranks):
+    for rank in ranks:
+        # Replica 1 changed one entry of its shard, so both replicas of each shard see it.
+        message = rank["drift"]["raised"]
+        assert message and "replicas hold different parameters at step 4" in message, rank["drift"]
 
 
 def test_hsdp_parameters_are_refused(ranks):

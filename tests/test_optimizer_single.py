@@ -136,6 +136,25 @@ def test_diloco_synchronize_runs_one_outer_step_once():
     assert opt.synchronize() is False  # nothing to do twice at the same step
 
 
+@pytest.mark.parametrize("scheme", ["demo", "random", "full"])
+def test_overlap_applies_the_same_updates_one_step_late(scheme):
+    """With gradients that do not depend on the parameters, overlap + flush ends where the plain run does."""
+    hp = {**SMALL, "scheme": scheme, "weight_decay": 0.0}
+    plain, late = make_params(), make_params()
+    opt_plain, opt_late = FlexDeMo(plain, **hp), FlexDeMo(late, **hp, overlap=True)
+    train(opt_plain, plain, 6)
+    train(opt_late, late, 6)
+    assert not all(torch.equal(p, q) for p, q in zip(plain, late))  # the last update is still pending
+    assert opt_late.flush() and not opt_late.flush()
+    for p, q in zip(plain, late):
+        assert torch.equal(p, q)
+
+
+def test_overlap_is_refused_where_it_has_no_meaning():
+    with pytest.raises(ValueError, match="overlap=True applies to the per-step schemes"):
+        FlexDeMo(make_params(), scheme="diloco", overlap=True)
+
+
 def test_attach_after_the_first_step_is_refused():
     params = make_params()
     opt = FlexDeMo(params, **SMALL)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from support.accelerate_runs import launch_command
 from support.launch import TESTS_DIR, child_env, run_checked, torchrun
 from support.tiny_hf import dataset, tiny_model, tokenizer
@@ -97,6 +98,24 @@ def test_launcher_runs_an_unmodified_trainer_script(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["optimizer"] == "FlexDeMo"
     assert all("flexdemo/bytes_sent" in h for h in report["log_history"] if "loss" in h)
+
+
+def test_flexdemo_under_fsdp1_or_ddp_is_refused_with_what_to_write_instead():
+    """The GPU path of the plugin's refusal (on CPU FSDP1 is refused earlier, at Accelerator creation)."""
+    from types import SimpleNamespace
+
+    from hf_flexdemo.integrations.accelerate_plugin import _prepare_flexdemo_aware
+
+    model = torch.nn.Linear(4, 4)
+    opt = hf_flexdemo.FlexDeMo(model.parameters())
+    fsdp1 = SimpleNamespace(
+        num_processes=16, is_fsdp2=False, distributed_type="FSDP", state=SimpleNamespace(fsdp_plugin=object())
+    )
+    with pytest.raises(ValueError, match="FSDP version 1 is not supported: set `fsdp_config: {fsdp_version: 2}`"):
+        _prepare_flexdemo_aware(lambda *a, **k: pytest.fail("must not prepare"), fsdp1, model, opt)
+    ddp = SimpleNamespace(num_processes=16, is_fsdp2=False, distributed_type="MULTI_GPU", state=SimpleNamespace())
+    with pytest.raises(ValueError, match="would all-reduce every gradient densely"):
+        _prepare_flexdemo_aware(lambda *a, **k: pytest.fail("must not prepare"), ddp, model, opt)
 
 
 def test_launcher_without_a_script_prints_usage():

@@ -16,11 +16,13 @@ from __future__ import annotations
 import glob
 import os
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from datasets import Dataset, DatasetDict
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, TrainingArguments
 
 
 def english_paragraphs() -> list[str]:
@@ -68,6 +70,24 @@ def split(dataset: Dataset, eval_fraction: float, seed: int = 0) -> DatasetDict:
     """A seeded train/validation split."""
     parts = dataset.train_test_split(test_size=eval_fraction, seed=seed)
     return DatasetDict(train=parts["train"], validation=parts["test"])
+
+
+def shared_tokenizer(train: Callable[[], PreTrainedTokenizerFast], args: TrainingArguments) -> PreTrainedTokenizerFast:
+    """Train a tokenizer on the main process and load that one in every process.
+
+    Training is not deterministic (the Unigram trainer differs from run to run), and every
+    process must use the same token ids; ``output_dir`` must be visible to all processes.
+    """
+    path = Path(args.output_dir) / "offline_tokenizer"
+    with args.main_process_first(local=False, desc="training the tokenizer"):
+        if args.process_index == 0:
+            train().save_pretrained(path)
+        elif not (path / "tokenizer.json").exists():
+            raise FileNotFoundError(
+                f"{path} is missing: the offline presets train the tokenizer on the main process, so "
+                "--output_dir must be on a filesystem that every process sees."
+            )
+        return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 def t5_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:

@@ -1,7 +1,8 @@
 """What the ready-made scripts share.
 
 - argument parsing with ``--optim flexdemo`` by default and ``--preset`` defaults that any
-  flag still overrides (``--hub_token`` moves to ``HF_TOKEN``, out of ``training_args.bin``);
+  flag still overrides (``--hub_token`` moves to ``HF_TOKEN``, out of ``training_args.bin``;
+  the seed is set before any model is built, so every process starts from the same weights);
 - the final save of full weights (FSDP2 with a sharded state dict saves none);
 - the model card rendered from ``model_cards/flexdemo.md``;
 - the Hub push, with a clear error that leaves the local files whole;
@@ -25,7 +26,7 @@ from typing import Any
 import httpx
 from huggingface_hub import ModelCard, ModelCardData, constants
 from huggingface_hub.errors import HfHubHTTPError
-from transformers import AutoConfig, HfArgumentParser, Trainer, TrainingArguments
+from transformers import AutoConfig, HfArgumentParser, Trainer, TrainingArguments, set_seed
 
 from hf_flexdemo import FlexDeMoCallback  # importing hf_flexdemo registers optim="flexdemo"
 from hf_flexdemo.integrations.trainer import describe, is_flexdemo, layout
@@ -75,8 +76,11 @@ def parse_arguments(
     parser.set_defaults(**{"optim": "flexdemo", **common, **base, **presets[preset]})
     parsed = parser.parse_args_into_dataclasses(args=argv)
     for args in parsed:
-        if isinstance(args, TrainingArguments) and args.hub_token:
-            hide_token(args)
+        if isinstance(args, TrainingArguments):
+            if args.hub_token:
+                hide_token(args)
+            # Before the model is built: every process must start from the same random weights.
+            set_seed(args.seed)
     return parsed
 
 

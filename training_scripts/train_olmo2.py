@@ -24,7 +24,7 @@ import math
 from itertools import chain
 
 from datasets import Dataset, load_dataset
-from offline_data import bpe_tokenizer, english_paragraphs, split
+from offline_data import bpe_tokenizer, english_paragraphs, shared_tokenizer, split
 from script_utils import (
     CardMixin,
     ScriptArguments,
@@ -85,9 +85,9 @@ def load_texts(args: Olmo2Arguments, seed: int):
     return raw.rename_column(args.text_column, "text") if args.text_column != "text" else raw
 
 
-def build_model_and_tokenizer(args: Olmo2Arguments, train: Dataset):
+def build_model_and_tokenizer(args: Olmo2Arguments, train: Dataset, training_args: TrainingArguments):
     if args.offline:
-        tokenizer = bpe_tokenizer(list(train["text"]), args.vocab_size)
+        tokenizer = shared_tokenizer(lambda: bpe_tokenizer(list(train["text"]), args.vocab_size), training_args)
         config = Olmo2Config(
             vocab_size=len(tokenizer),
             hidden_size=args.hidden_size,
@@ -112,7 +112,7 @@ def main() -> None:
     with training_args.main_process_first(desc="loading data"):
         data = load_texts(args, training_args.seed)
     limit_samples(data, args)
-    model, tokenizer = build_model_and_tokenizer(args, data["train"])
+    model, tokenizer = build_model_and_tokenizer(args, data["train"], training_args)
 
     def tokenize(batch):
         return tokenizer([t + tokenizer.eos_token for t in batch["text"] if t.strip()])

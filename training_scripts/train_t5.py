@@ -26,7 +26,7 @@ from pathlib import Path
 import evaluate
 import numpy as np
 from datasets import Dataset, load_dataset
-from offline_data import english_paragraphs, split, t5_tokenizer, translation_pairs
+from offline_data import english_paragraphs, shared_tokenizer, split, t5_tokenizer, translation_pairs
 from script_utils import (
     CardMixin,
     ScriptArguments,
@@ -61,8 +61,10 @@ class T5Arguments(ScriptArguments):
     max_source_length: int = 128
     max_target_length: int = 128
     vocab_size: int = dataclasses.field(default=2000, metadata={"help": "offline: tokenizer vocabulary."})
-    d_model: int = dataclasses.field(default=128, metadata={"help": "offline: model width."})
-    num_layers: int = dataclasses.field(default=2, metadata={"help": "offline: encoder and decoder layers."})
+    model_size: str = dataclasses.field(
+        default="tiny",
+        metadata={"help": "offline: 'tiny' (about 1M parameters) or 't5-small' (its architecture, 60M parameters)."},
+    )
 
 
 COMMON = dict(predict_with_generate=True, generation_max_length=64, eval_strategy="no")
@@ -100,22 +102,23 @@ def load_pairs(args: T5Arguments, seed: int):
     return raw.map(flatten, batched=True, remove_columns=raw["train"].column_names, desc="Extracting pairs")
 
 
-def build_model_and_tokenizer(args: T5Arguments, train: Dataset):
+def build_model_and_tokenizer(args: T5Arguments, train: Dataset, training_args: Seq2SeqTrainingArguments):
     if args.offline:
         texts = list(train["source"]) + list(train["target"]) + english_paragraphs()
-        tokenizer = t5_tokenizer(texts, args.vocab_size)
-        config = T5Config(
-            vocab_size=len(tokenizer),
-            d_model=args.d_model,
-            d_kv=args.d_model // 4,
-            d_ff=4 * args.d_model,
-            num_layers=args.num_layers,
-            num_heads=4,
-            dropout_rate=0.1,
+        tokenizer = shared_tokenizer(lambda: t5_tokenizer(texts, args.vocab_size), training_args)
+        special = dict(
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             decoder_start_token_id=tokenizer.pad_token_id,
         )
+        if args.model_size == "t5-small":  # T5Config's defaults are t5-small; keep its 32128-row embedding
+            config = T5Config(**special)
+        elif args.model_size == "tiny":
+            config = T5Config(
+                vocab_size=len(tokenizer), d_model=128, d_kv=32, d_ff=512, num_layers=2, num_heads=4, **special
+            )
+        else:
+            raise ValueError(f"--model_size={args.model_size!r} is invalid; choose 'tiny' or 't5-small'.")
         return T5ForConditionalGeneration(config), tokenizer
     return hub_model(AutoModelForSeq2SeqLM, args), AutoTokenizer.from_pretrained(args.model_name_or_path)
 
@@ -124,12 +127,13 @@ class TranslationTrainer(CardMixin, Seq2SeqTrainer):
     pass
 
 
-def main() -> None:
-    args, training_args = parse_arguments((T5Arguments, Seq2SeqTrainingArguments), PRESETS, COMMON)
+def build(argv: list[str] | None = None) -> TranslationTrainer:
+    """Parse the arguments and build the Trainer, data and metric included (the benchmarks reuse it)."""
+    args, training_args = parse_arguments((T5Arguments, Seq2SeqTrainingArguments), PRESETS, COMMON, argv)
     with training_args.main_process_first(desc="loading data"):
         data = load_pairs(args, training_args.seed)
     limit_samples(data, args)
-    model, tokenizer = build_model_and_tokenizer(args, data["train"])
+    model, tokenizer = build_model_and_tokenizer(args, data["train"], training_args)
     source, target = (LANGUAGES.get(code, code) for code in (args.source_lang, args.target_lang))
     prefix = f"translate {source} to {target}: "
 
@@ -158,7 +162,8 @@ def main() -> None:
             eval_dataset=tokenized["validation"],
             processing_class=tokenizer,
             data_collator=DataCollatorForSeq2Seq(tokenizer, model=model),
-            compute_metrics=compute_metrics,
+            # BLEU/chrF need generated text; without --predict_with_generate only the loss is evaluated.
+            compute_metrics=compute_metrics if training_args.predict_with_generate else None,
         )
     dataset = f"Django's {args.source_lang}->{args.target_lang} message catalogs" if args.offline else args.dataset_name
     trainer.card_info = card_info(
@@ -167,7 +172,11 @@ def main() -> None:
         f"{dataset} ({len(data['train'])} training pairs, {len(data['validation'])} held out).",
         ["translation", "t5"],
     )
-    train_and_report(trainer, ["eval_loss", "eval_bleu", "eval_chrf"])
+    return trainer
+
+
+def main() -> None:
+    train_and_report(build(), ["eval_loss", "eval_bleu", "eval_chrf"])
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@
 - **Attaches and reports** at train start: the optimizer must have its replicate group
   (the Accelerate plugin attaches it in ``accelerator.prepare``).
 - **Owns the replication schedule at step boundaries**: per-step schemes replicate inside
-  ``optimizer.step()``; for DiLoCo the callback runs an extra outer step before every
-  checkpoint save and at the end, so that saved and final models are the replicas' average
-  (replicas differ between outer steps).
+  ``optimizer.step()``. Before every checkpoint save, every evaluation and at the end, the
+  callback calls ``optimizer.synchronize()``: a pending ``overlap`` exchange is applied,
+  and DiLoCo runs an extra outer step, so that what is saved, evaluated and returned is
+  the replicas' common model (DiLoCo replicas differ between outer steps).
 - **Logs** the inter-node figures of node 0 at every logging step, into the Trainer logs
   (console, wandb, TensorBoard, ``log_history``): ``flexdemo/bytes_sent_per_step``,
   cumulative ``flexdemo/bytes_sent`` and ``flexdemo/bytes_received``,
@@ -100,8 +101,10 @@ class FlexDeMoCallback(TrainerCallback):
         opt = self._optimizer
         if opt is None:
             return
-        if control.should_save or state.global_step >= state.max_steps:
-            opt.synchronize()  # DiLoCo: save and finish with the replicas' average
+        if control.should_save or control.should_evaluate or state.global_step >= state.max_steps:
+            # Saves, evaluations and the final model see every update (overlap) and, for
+            # DiLoCo, the replicas' average.
+            opt.synchronize()
         check = self.check_every and state.global_step % self.check_every == 0
         if control.should_log or check:
             self.assert_replicas_in_sync(state.global_step)
@@ -119,7 +122,8 @@ class FlexDeMoCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
         if self._optimizer is not None:
             self._optimizer.synchronize()
-            self._figures(state.global_step)
+            if state.global_step > self._last[0]:  # steps since the last log: refresh the figures
+                self._figures(state.global_step)
 
     # -- helpers -------------------------------------------------------------------------
 

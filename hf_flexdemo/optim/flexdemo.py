@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,9 +30,22 @@ from ..dtensor_utils import local_tensor
 from ..schemes import Collective, ParamSlot, StepContext, build_scheme
 from ..state_store import StateStore, StateView
 from ..topology import ReplicaTopology, broadcast_from_first_replica, replica_fingerprints
-from ..wire import CommStats, all_gather_packed, all_reduce_mean_packed, nbytes, ring_all_reduce_bytes
+from ..wire import CommStats, Exchange, all_gather_packed, all_reduce_mean_packed, nbytes, ring_all_reduce_bytes
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    """One step's exchange: started, not yet applied (at once, or next step with ``overlap``)."""
+
+    slots: list[ParamSlot]
+    payloads: list[list[torch.Tensor]]
+    exchange: Exchange
+    ctx: StepContext
+    bounds: list[tuple[int, int]]
+    """Where each parameter's tensors sit in the packed list."""
+
 
 COUNTERS = "comm_bytes"
 """Per-rank int64 pair kept in each parameter's state: payload bytes sent, gradient bytes seen."""
@@ -79,6 +93,7 @@ class FlexDeMo(torch.optim.Optimizer):
         outer_momentum: float = 0.9,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        overlap: bool = False,
         mesh: DeviceMesh | None = None,
         replicate_dim: str | None = None,
     ):
@@ -100,12 +115,14 @@ class FlexDeMo(torch.optim.Optimizer):
             outer_momentum=outer_momentum,
             betas=betas,
             eps=eps,
+            overlap=overlap,
         )
         super().__init__(params, self.config.group_defaults())
         self.scheme = build_scheme(self.config)
         self._topology: ReplicaTopology | None = None
         self._store: StateStore | None = None
         self.last_step_stats = CommStats()
+        self._pending: _InFlight | None = None  # overlap: the last step's exchange
         if mesh is not None:
             self.attach(mesh, replicate_dim)
 
@@ -159,12 +176,23 @@ class FlexDeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def synchronize(self) -> bool:
-        """Bring replicas to the same parameters now if the scheme lets them differ (DiLoCo).
+        """Bring replicas to the same parameters now; returns whether anything was exchanged.
 
-        Returns whether an exchange ran. Call it on every process at the same point, for
-        example before saving a checkpoint or at the end of training.
+        Applies a pending ``overlap`` exchange, and for DiLoCo runs an outer step unless one
+        ran at this step. Call it on every process at the same point, for example before
+        saving a checkpoint, before evaluating, or at the end of training.
         """
-        return self._run(sync_only=True)
+        flushed = self.flush()
+        return self._run(sync_only=True) or flushed
+
+    @torch.no_grad()
+    def flush(self) -> bool:
+        """With ``overlap``: wait for the last step's exchange and apply it. Returns whether one was pending."""
+        if self._pending is None:
+            return False
+        pending, self._pending = self._pending, None
+        self._finish(pending)
+        return True
 
     def _run(self, sync_only: bool) -> bool:
         topology = self.topology
@@ -174,6 +202,7 @@ class FlexDeMo(torch.optim.Optimizer):
         if "step" not in slots[0].state:
             self._start(slots)
         if not sync_only:
+            self.flush()  # overlap: the previous step's update lands before this step's local maths
             for slot in slots:
                 slot.state.raw["step"] += 1
         step = int(slots[0].state.raw["step"])
@@ -192,11 +221,19 @@ class FlexDeMo(torch.optim.Optimizer):
                 if wd:
                     slot.param.mul_(1 - slot.group["lr"] * wd)
         payloads = [self.scheme.local_step(slot, ctx) for slot in slots]
-        received, stats = self._exchange(payloads, ctx)
-        for slot, part in zip(slots, received):
-            self.scheme.apply(slot, part, ctx)
-        self._count(slots, payloads, stats, ctx)
+        overlap = self.config.overlap and ctx.replicate and not sync_only
+        in_flight = self._start_exchange(slots, payloads, ctx, async_op=overlap)
+        if overlap:
+            self._pending = in_flight
+        else:
+            self._finish(in_flight)
         return ctx.replicate
+
+    def _finish(self, job: _InFlight) -> None:
+        received, stats = job.exchange.wait()
+        for slot, part in zip(job.slots, self._split(received, job)):
+            self.scheme.apply(slot, part, job.ctx)
+        self._count(job.slots, job.payloads, stats, job.ctx)
 
     def _slots(self, with_grads: bool) -> list[ParamSlot]:
         slots = []
@@ -250,22 +287,33 @@ class FlexDeMo(torch.optim.Optimizer):
                     "copies. Shard the model inside the node with FSDP2 (fully_shard(model, mesh=mesh[...]))."
                 )
 
-    def _exchange(self, payloads: list[list[torch.Tensor]], ctx: StepContext) -> tuple[list[Any], CommStats]:
-        if not ctx.replicate:
-            return [None] * len(payloads), CommStats()
+    def _start_exchange(
+        self, slots: list[ParamSlot], payloads: list[list[torch.Tensor]], ctx: StepContext, async_op: bool
+    ) -> _InFlight:
+        """Start the step's one packed collective."""
         flat = [t for payload in payloads for t in payload]
         bounds, start = [], 0
         for payload in payloads:
             bounds.append((start, start + len(payload)))
             start += len(payload)
         kind = self.scheme.collective
-        if kind is Collective.NONE or not flat:
-            return payloads, CommStats()
-        if kind is Collective.ALL_GATHER:
-            gathered, stats = all_gather_packed(flat, self.topology)
-            return [[replica[a:b] for replica in gathered] for a, b in bounds], stats
-        averaged, stats = all_reduce_mean_packed(flat, self.topology)
-        return [averaged[a:b] for a, b in bounds], stats
+        if not ctx.replicate or kind is Collective.NONE or not flat:
+            exchange = Exchange.done(None)
+        elif kind is Collective.ALL_GATHER:
+            exchange = all_gather_packed(flat, self.topology, async_op=async_op)
+        else:
+            exchange = all_reduce_mean_packed(flat, self.topology, async_op=async_op)
+        return _InFlight(slots, payloads, exchange, ctx, bounds)
+
+    def _split(self, received, job: _InFlight) -> list[Any]:
+        """What each parameter's ``apply`` gets: per replica (all-gather), the mean, or its own payload."""
+        if not job.ctx.replicate:
+            return [None] * len(job.payloads)
+        if received is None:  # nothing crossed nodes (scheme none, or no payload at all)
+            return job.payloads
+        if self.scheme.collective is Collective.ALL_GATHER:
+            return [[replica[a:b] for replica in received] for a, b in job.bounds]
+        return [received[a:b] for a, b in job.bounds]
 
     # -- counters ----------------------------------------------------------------------
 
@@ -318,7 +366,12 @@ class FlexDeMo(torch.optim.Optimizer):
 
     # -- state dict --------------------------------------------------------------------
 
+    def state_dict(self) -> dict[str, Any]:
+        self.flush()  # a pending overlap exchange belongs to the state being saved
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = None  # an exchange started before loading refers to the replaced state
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype; 16-bit parameters keep float32 moments.
         by_id = {}

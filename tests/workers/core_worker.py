@@ -156,13 +156,14 @@ def spatial_momentum(opt, p, hp) -> torch.Tensor:
 def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
     """DCP save/load restores each replica's own state; a resumed run continues the same curve."""
     out = {}
-    for scheme in ("demo", "random", "diloco"):
-        hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4}
+    for name in ("demo", "random", "diloco", "demo_overlap"):
+        scheme = name.removesuffix("_overlap")
+        hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4, "overlap": name.endswith("_overlap")}
         model = build(mesh)
         opt = FlexDeMo(model.parameters(), mesh=mesh, **hp)
         train(model, opt, coords, 6)
         opt.synchronize()  # DiLoCo: replicas agree before a save (what the Trainer callback does)
-        ckpt = ckpt_root / scheme
+        ckpt = ckpt_root / name
         dcp.save(
             {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt
         )
@@ -184,7 +185,7 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
         loaded = [StateStore.local(opt2.state[p][key], local_tensor(p)).clone() for p in params2]
         restored_total = opt2.total_stats.bytes_sent
         train(model2, opt2, coords, 4, first_step=6)
-        out[scheme] = {
+        out[name] = {
             "state_differs_across_replicas": len(set(state_prints)) > 1,
             "state_restored_exactly": all(torch.equal(a, b) for a, b in zip(saved, loaded)),
             "state_dtype_kept": all(b.dtype == momentum_dtype(p) for b, p in zip(loaded, params2)),
@@ -193,6 +194,60 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
             "resume_matches": all(torch.equal(local_tensor(p), q) for p, q in zip(params2, uninterrupted)),
         }
     return out
+
+
+def check_overlap(mesh, coords, spy) -> dict:
+    """overlap=True (async exchange, applied one step late) against the plain run, with
+    gradients that do not depend on the parameters: after a flush both must be bitwise equal."""
+    hp = {**SMALL, "lr": 1e-2}
+    results = {}
+    models = {}
+    for overlap in (False, True):
+        model = build(mesh)
+        opt = FlexDeMo(model.parameters(), mesh=mesh, overlap=overlap, **hp)
+        params = list(model.parameters())
+        spy.clear()
+        with spy.watching():
+            for step in range(6):
+                g = torch.Generator().manual_seed(10_000 * coords[0] + 100 * coords[1] + step)
+                for p in params:
+                    p.grad = torch.distributed.tensor.DTensor.from_local(
+                        torch.randn(local_tensor(p).shape, generator=g), p.device_mesh, p.placements,
+                        shape=p.shape, stride=p.stride(), run_check=False,
+                    )  # fmt: skip
+                opt.step()
+            pending = opt._pending is not None
+            opt.flush()
+        models[overlap] = [local_tensor(p).clone() for p in params]
+        results[f"overlap={overlap}"] = {
+            "pending_before_flush": pending,
+            "wire": spy.inter_node_bytes(),
+            "counted": opt.total_stats.bytes_sent,
+            "replicas_equal": len(set(replica_fingerprints(params, opt.topology))) == 1,
+        }
+    results["equal_to_plain"] = all(torch.equal(a, b) for a, b in zip(models[False], models[True]))
+    return results
+
+
+def check_drift_detection(mesh, coords) -> dict:
+    """The Trainer callback's replica check: silent when replicas agree, loud when one drifts."""
+    from hf_flexdemo.integrations.callback import FlexDeMoCallback, ReplicaDriftError
+
+    model = build(mesh)
+    opt = FlexDeMo(model.parameters(), mesh=mesh, **SMALL)
+    train(model, opt, coords, 3)
+    callback = FlexDeMoCallback()
+    callback._optimizer = opt
+    callback.assert_replicas_in_sync(3)  # no error: replicas agree
+    if coords[0] == 1:  # one replica drifts by one ulp in one entry
+        with torch.no_grad():
+            first = local_tensor(next(p for p in model.parameters() if local_tensor(p).numel()))
+            first.view(-1)[0] = torch.nextafter(first.view(-1)[0], torch.tensor(float("inf")))
+    try:
+        callback.assert_replicas_in_sync(4)
+        return {"raised": None}
+    except ReplicaDriftError as e:
+        return {"raised": str(e)}
 
 
 def check_errors(mesh) -> dict:
@@ -242,6 +297,8 @@ def main() -> None:
         "schemes": check_schemes(mesh, coords, spy),
         "oracle": check_oracle(mesh, coords),
         "checkpoint": check_checkpoint(mesh, coords, out_dir / "ckpt"),
+        "overlap": check_overlap(mesh, coords, spy),
+        "drift": check_drift_detection(mesh, coords),
         "errors": check_errors(mesh),
         "start_sync": check_start_sync(mesh),
     }

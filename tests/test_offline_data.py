@@ -1,0 +1,43 @@
+"""The offline presets' data sources and the tokenizer every process must share."""
+
+from __future__ import annotations
+
+import pytest
+from datasets import Dataset
+from offline_data import digit_images, english_paragraphs, shared_tokenizer, split, translation_pairs
+from transformers import TrainingArguments
+
+
+def test_sources_are_real_and_present():
+    assert sum(len(p.split()) for p in english_paragraphs()) > 50_000
+    pairs = translation_pairs("en", "fr")
+    assert len(pairs) > 700 and {"en": "Enter a valid value.", "fr": "Saisissez une valeur valide."} in pairs
+    images, labels = digit_images()
+    assert images.shape == (1797, 8, 8) and images.max() == 255 and set(labels.tolist()) == set(range(10))
+
+
+def test_unknown_translation_pair_is_refused():
+    with pytest.raises(ValueError, match="target='xx'"):
+        translation_pairs("en", "xx")
+    with pytest.raises(ValueError, match="source='de'"):
+        translation_pairs("de", "fr")
+
+
+def test_split_is_seeded():
+    data = Dataset.from_dict({"x": list(range(100))})
+    assert split(data, 0.1, seed=3)["validation"]["x"] == split(data, 0.1, seed=3)["validation"]["x"]
+
+
+def test_shared_tokenizer_is_trained_once_and_loaded_by_the_others(tmp_path, monkeypatch):
+    from offline_data import bpe_tokenizer
+
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none")
+    trained = shared_tokenizer(lambda: bpe_tokenizer(english_paragraphs()[:200], 300), args)
+    assert (tmp_path / "offline_tokenizer" / "tokenizer.json").exists()
+    # Another process (rank 1) loads the main process's file instead of training its own.
+    monkeypatch.setattr(TrainingArguments, "process_index", property(lambda self: 1))
+    loaded = shared_tokenizer(lambda: pytest.fail("rank 1 must not train"), args)
+    assert loaded.get_vocab() == trained.get_vocab()
+    missing = TrainingArguments(str(tmp_path / "elsewhere"), use_cpu=True, report_to="none")
+    with pytest.raises(FileNotFoundError, match="filesystem that every process sees"):
+        shared_tokenizer(lambda: pytest.fail("rank 1 must not train"), missing)
