@@ -1,10 +1,12 @@
 """Table and plots from the link benchmark's results (``benchmarks/results/link.json``).
 
     .venv/bin/python benchmarks/link_report.py            # prints the Markdown table, writes the PNGs
+    .venv/bin/python benchmarks/link_report.py --results benchmarks/results/link_batch2.json
 
-Per run: median step time, speedup against AdamW-HSDP at the same rate, node 0's bytes per
-step (FlexDeMo's counters, and the link's own count), the model ``compute + bytes / rate``,
-and the validation loss against AdamW's. Plots: step time against bandwidth, and
+Per run: median and mean step time (after two warm-up steps), speedup against AdamW-HSDP
+at the same rate, node 0's bytes per step sent and received (FlexDeMo's counters, and the
+link's own count), the time those bytes need at the link's rate, the model
+``compute + bytes / rate``, and the validation loss against AdamW's. Plots: step time against bandwidth, and
 validation loss against steps and against training time.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -23,10 +26,26 @@ RATES = {"100mbit": 100e6, "1gbit": 1e9, "unlimited": None}
 LABELS = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unlimited"}
 
 
+def per_step_mb(run: dict, direction: str) -> tuple[float | None, float]:
+    """Node 0's inter-node MB per step, ``direction`` "sent" or "received": (FlexDeMo's counters, the link's count).
+
+    The veth pair has two ends, so node 0 receives what node 1's end transmits.
+    """
+    counted = run["figures"].get(f"flexdemo/bytes_{direction}")
+    on_link = run["link_tx_bytes"][0 if direction == "sent" else 1]
+    return (None if counted is None else counted / run["steps"] / 1e6), on_link / run["steps"] / 1e6
+
+
 def sent_per_step(run: dict) -> float:
     """Node 0's inter-node bytes per step: FlexDeMo's counters, else the link's count (AdamW)."""
-    counted = run["figures"].get("flexdemo/bytes_sent")
-    return (counted if counted is not None else run["link_tx_bytes"][0]) / run["steps"]
+    counted, on_link = per_step_mb(run, "sent")
+    return 1e6 * (counted if counted is not None else on_link)
+
+
+def link_seconds(run: dict) -> float | None:
+    """The time node 0's bytes per step need at the link's rate (both directions run at once)."""
+    rate = RATES[run["rate"]]
+    return None if rate is None else 8 * sent_per_step(run) / rate
 
 
 def compute_seconds(results: dict, config: str) -> float | None:
@@ -40,31 +59,41 @@ def compute_seconds(results: dict, config: str) -> float | None:
 
 def predicted(results: dict, run: dict) -> float | None:
     rate = RATES[run["rate"]]
-    compute = compute_seconds(results, run["config"])
+    # Variants (demo-bf16, demo-overlap) do the maths of their base scheme.
+    compute = compute_seconds(results, run["config"]) or compute_seconds(results, run["config"].split("-")[0])
     if compute is None or rate is None:
         return compute
-    return compute + 8 * sent_per_step(run) / rate
+    return compute + link_seconds(run)
+
+
+def speedup(baseline_s: float, run_s: float) -> str:
+    ratio = baseline_s / run_s
+    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
 
 
 def table(results: dict) -> str:
     rows = [
-        "| link | optimizer | median step (s) | vs AdamW-HSDP | sent/step, counted | sent/step, link | "
-        "compute + bytes/rate (s) | val. loss | loss vs AdamW |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| link | optimizer | median step (s) | mean step (s) | vs AdamW-HSDP | sent/step: counted, link (MB) | "
+        "received/step: counted, link (MB) | bytes / rate (s) | compute + bytes/rate (s) | val. loss | loss vs AdamW |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for rate in RATES:
         adamw = results.get(f"{rate}/adamw")
         for run in (r for r in results.values() if r["rate"] == rate):
-            counted = run["figures"].get("flexdemo/bytes_sent")
             is_baseline = run["config"] == "adamw" or adamw is None
-            model = predicted(results, run)
+            model, on_wire = predicted(results, run), link_seconds(run)
+            traffic = []
+            for direction in ("sent", "received"):
+                counted, on_link = per_step_mb(run, direction)
+                traffic.append(f"{'-' if counted is None else f'{counted:.2f}'}, {on_link:.2f}")
             cells = [
                 LABELS[rate],
                 run["config"],
                 f"{run['median_step_s']:.2f}",
-                "-" if is_baseline else f"{adamw['median_step_s'] / run['median_step_s']:.2f}x faster",
-                "-" if counted is None else f"{counted / run['steps'] / 1e6:.2f} MB",
-                f"{run['link_tx_bytes'][0] / run['steps'] / 1e6:.2f} MB",
+                f"{statistics.mean(run['step_times'][2:]):.2f}",  # DiLoCo's outer steps show here
+                "-" if is_baseline else speedup(adamw["median_step_s"], run["median_step_s"]),
+                *traffic,
+                "-" if on_wire is None else f"{on_wire:.2f}",
                 "-" if model is None else f"{model:.2f}",
                 f"{run['eval_loss']:.3f}",
                 "-" if is_baseline else f"{100 * (run['eval_loss'] / adamw['eval_loss'] - 1):+.1f}%",
@@ -89,7 +118,8 @@ def plot_step_times(results: dict, path: Path) -> None:
     ax.set_xticks(range(len(RATES)), [LABELS[r] for r in RATES])
     ax.set_yscale("log")
     ax.set_ylabel("median step time (s), log scale")
-    ax.set_title("T5-small, 2 machines x 2 processes (CPU); dotted: compute + bytes/bandwidth")
+    batch = next(iter(results.values()))["batch"]
+    ax.set_title(f"T5-small, 2 machines x 2 processes (CPU), batch {batch}/process\ndotted: compute + bytes/bandwidth")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
@@ -124,10 +154,10 @@ def main() -> None:
     path = Path(args.results)
     results = json.loads(path.read_text())
     print(table(results))
-    plot_step_times(results, path.with_name("link_step_time.png"))
+    plot_step_times(results, path.with_name(f"{path.stem}_step_time.png"))
     for rate in ("100mbit", "1gbit"):
         if any(r["rate"] == rate for r in results.values()):
-            plot_losses(results, rate, path.with_name(f"link_loss_{rate}.png"))
+            plot_losses(results, rate, path.with_name(f"{path.stem}_loss_{rate}.png"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,83 @@
+"""Where a DeMo step spends its time, phase by phase, on one process's FSDP shard of T5-small.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/demo_phases.py --shards 2
+
+Each parameter's first dimension is cut by ``--shards`` (what one process of a node holds
+under FSDP2), and each phase of the DeMo update runs over all of them: the DCT of the
+gradient, the per-tile top-k, error feedback, decoding two replicas' parts, the inverse
+DCT, and the signed update. Medians over ``--repeats`` runs, in ms. Single-threaded by
+default, as in the link benchmark (4 processes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from optimizer_step import t5_small_shapes
+
+from hf_flexdemo.compression import (
+    ChunkPlan,
+    decode_replicas,
+    flat_positions,
+    from_coefficients,
+    select_topk,
+    to_coefficients,
+)
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up: allocations and cached DCT matrices
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=int, default=2, help="processes per node (FSDP shards)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--topk", type=int, default=32)
+    args = parser.parse_args()
+
+    shapes = [[-(-s[0] // args.shards), *s[1:]] for s in t5_small_shapes()]
+    grads = [torch.randn(s) for s in shapes]
+    plans = [ChunkPlan.for_shape(s, args.chunk, args.topk) for s in shapes]
+    coefficients = [to_coefficients(g, p) for g, p in zip(grads, plans)]
+    parts = [select_topk(q, p) for q, p in zip(coefficients, plans)]
+    decoded = [decode_replicas([part, part], p, "selected", torch.float32) for part, p in zip(parts, plans)]
+
+    def signed_update():
+        for g, d in zip(grads, decoded):
+            g.view(d.shape).sub_(torch.sign(d), alpha=1e-9)
+
+    phases = {
+        "DCT of the gradient": lambda: [to_coefficients(g, p) for g, p in zip(grads, plans)],
+        "top-k per tile": lambda: [select_topk(q, p) for q, p in zip(coefficients, plans)],
+        "error feedback": lambda: [
+            q.view(-1).index_add_(0, flat_positions(i, p), v.reshape(-1), alpha=-1.0)
+            for q, (i, v), p in zip(coefficients, parts, plans)
+        ],
+        "decode 2 replicas": lambda: [
+            decode_replicas([part, part], p, "selected", torch.float32) for part, p in zip(parts, plans)
+        ],
+        "inverse DCT": lambda: [from_coefficients(d, p) for d, p in zip(decoded, plans)],
+        "sign and update": signed_update,
+    }
+    total = 0.0
+    for name, fn in phases.items():
+        ms = median_ms(fn, args.repeats)
+        total += ms
+        print(f"{name:22s} {ms:8.1f} ms")
+    elements = sum(g.numel() for g in grads)
+    print(f"{'total':22s} {total:8.1f} ms   ({elements / 1e6:.1f}M elements, {torch.get_num_threads()} thread(s))")
+
+
+if __name__ == "__main__":
+    main()
