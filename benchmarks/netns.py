@@ -54,6 +54,9 @@ class NamespacePair:
         self.interfaces = (f"fdv{tag}a", f"fdv{tag}b")
         self.addresses = (f"10.{net}.0.1", f"10.{net}.0.2")
         self._previous_handlers: dict[int, object] = {}
+        self._created: list[str] = []
+        """Namespaces this object made: only these are ever removed."""
+        self._veth_in_root = False
 
     def exec_prefix(self, node: int) -> list[str]:
         """The command prefix that runs a program inside namespace ``node`` (0 or 1)."""
@@ -84,10 +87,13 @@ class NamespacePair:
         a, b = self.namespaces
         va, vb = self.interfaces
         for ns in self.namespaces:
-            _ip("netns", "add", ns)
+            _ip("netns", "add", ns)  # fails if the name exists: then it is not ours to remove
+            self._created.append(ns)
         _ip("link", "add", va, "type", "veth", "peer", "name", vb)
+        self._veth_in_root = True
         for ns, dev, address in zip(self.namespaces, self.interfaces, self.addresses):
             _ip("link", "set", dev, "netns", ns)
+            self._veth_in_root = dev == va  # the peer is still in the root namespace until it moves too
             _ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
@@ -100,9 +106,20 @@ class NamespacePair:
                 )
 
     def close(self) -> None:
-        """Remove both namespaces (their veth ends go with them) and restore signal handlers."""
-        for ns in self.namespaces:
-            _ip("netns", "del", ns, check=False)
+        """Stop what still runs inside, remove the namespaces this object made, restore signal handlers."""
+        for ns in self._created:
+            pids = _ip("netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:  # a namespace with live processes outlives `ip netns del`
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _ip("netns", "del", ns, check=False)  # its veth end goes with it
+        self._created.clear()
+        if self._veth_in_root:  # creation failed halfway: a veth end was left in the root namespace
+            _ip("link", "del", self.interfaces[0], check=False)
+            _ip("link", "del", self.interfaces[1], check=False)
+            self._veth_in_root = False
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         self._previous_handlers.clear()

@@ -150,6 +150,21 @@ def test_overlap_applies_the_same_updates_one_step_late(scheme):
         assert torch.equal(p, q)
 
 
+def test_overlap_moves_by_the_lr_of_the_step_that_computed_the_update():
+    """A scheduler changes the lr between a step and its late update; the update keeps its own lr."""
+    hp = {**SMALL, "weight_decay": 0.0}
+    plain, late = make_params(), make_params()
+    opt_plain, opt_late = FlexDeMo(plain, **hp), FlexDeMo(late, **hp, overlap=True)
+    for opt, params in ((opt_plain, plain), (opt_late, late)):
+        decay_to_zero = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: max(0.0, 1 - step / 4))
+        for step in range(4):
+            train(opt, params, 1, first=step)
+            decay_to_zero.step()  # the lr is 0 after the last step
+    opt_late.flush()
+    for p, q in zip(plain, late):
+        assert torch.equal(p, q)
+
+
 def test_overlap_is_refused_where_it_has_no_meaning():
     with pytest.raises(ValueError, match="overlap=True applies to the per-step schemes"):
         FlexDeMo(make_params(), scheme="diloco", overlap=True)

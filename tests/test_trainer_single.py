@@ -82,6 +82,45 @@ def test_single_process_trainer_trains_with_flexdemo(tok, tmp_path):
     assert sum(loss[-3:]) < sum(loss[:3])
 
 
+def test_epoch_checkpoints_hold_every_update_with_overlap(tok, tmp_path):
+    """Epoch saves come after on_step_end: the pending late update must land before the weights are written."""
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    class LiveWeightsAtSave(TrainerCallback):
+        def __init__(self):
+            self.weights = {}
+
+        def on_save(self, args, state, control, model=None, **kw):
+            self.weights[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    args = TrainingArguments(
+        str(tmp_path),
+        optim="flexdemo",
+        optim_args="topk=8,chunk=16,overlap=true",
+        learning_rate=1e-3,
+        num_train_epochs=2,
+        per_device_train_batch_size=8,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="epoch",
+        save_only_model=False,
+    )
+    trainer = Trainer(
+        model=tiny_model("llama", len(tok)),
+        args=args,
+        train_dataset=dataset("llama", tok, rows=16),
+        data_collator=default_data_collator,
+    )
+    live = LiveWeightsAtSave()
+    trainer.add_callback(live)
+    trainer.train()
+    assert sorted(live.weights) == [2, 4]
+    saved = load_file(tmp_path / "checkpoint-2" / "model.safetensors")
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, live.weights[2][name]), name
+
+
 def test_t5_family_is_marked_as_averaging_its_own_loss(tok):
     t5, llama = tiny_model("t5", len(tok)), tiny_model("llama", len(tok))
     assert mark_mean_loss_model(t5) and t5.accepts_loss_kwargs is False

@@ -111,6 +111,11 @@ class FlexDeMoCallback(TrainerCallback):
         if control.should_log:
             self._pending = self._figures(state.global_step)
 
+    def on_epoch_end(self, args, state, control, **kw):
+        # Epoch strategies set should_save/should_evaluate after on_step_end has run.
+        if self._optimizer is not None and (control.should_save or control.should_evaluate):
+            self._optimizer.synchronize()
+
     def on_log(self, args, state, control, logs=None, **kw):
         if self._optimizer is None or not self._pending or logs is None or "loss" not in logs:
             return

@@ -66,6 +66,8 @@ def describe(args: TrainingArguments) -> str:
         keys += ["rate"]
     if config.scheme == "diloco":
         keys = ["scheme", "inner_steps", "outer_lr", "outer_momentum", "betas", "value_dtype"]
+    if config.overlap:
+        keys += ["overlap"]
     return "FlexDeMo(" + ", ".join(f"{k}={getattr(config, k)!r}" for k in keys) + ")"
 
 

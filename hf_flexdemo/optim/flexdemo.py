@@ -45,6 +45,8 @@ class _InFlight:
     ctx: StepContext
     bounds: list[tuple[int, int]]
     """Where each parameter's tensors sit in the packed list."""
+    grad_bytes: list[int]
+    """Each parameter's gradient size (the dense baseline); the gradients themselves are released."""
 
 
 COUNTERS = "comm_bytes"
@@ -233,12 +235,15 @@ class FlexDeMo(torch.optim.Optimizer):
         received, stats = job.exchange.wait()
         for slot, part in zip(job.slots, self._split(received, job)):
             self.scheme.apply(slot, part, job.ctx)
-        self._count(job.slots, job.payloads, stats, job.ctx)
+        self._count(job, stats)
 
     def _slots(self, with_grads: bool) -> list[ParamSlot]:
         slots = []
         index = 0
-        for group in self.param_groups:
+        for live_group in self.param_groups:
+            # A snapshot: with overlap the update lands after the scheduler has changed the
+            # live lr, and it must move parameters by the lr of the step that computed it.
+            group = dict(live_group)
             for p in group["params"]:
                 index += 1
                 if not p.requires_grad:
@@ -303,7 +308,10 @@ class FlexDeMo(torch.optim.Optimizer):
             exchange = all_gather_packed(flat, self.topology, async_op=async_op)
         else:
             exchange = all_reduce_mean_packed(flat, self.topology, async_op=async_op)
-        return _InFlight(slots, payloads, exchange, ctx, bounds)
+        grad_bytes = [nbytes(slot.grad) if slot.grad is not None else 0 for slot in slots]
+        for slot in slots:
+            slot.grad = None  # folded into the state: do not hold gradients through the next step
+        return _InFlight(slots, payloads, exchange, ctx, bounds, grad_bytes)
 
     def _split(self, received, job: _InFlight) -> list[Any]:
         """What each parameter's ``apply`` gets: per replica (all-gather), the mean, or its own payload."""
@@ -317,12 +325,11 @@ class FlexDeMo(torch.optim.Optimizer):
 
     # -- counters ----------------------------------------------------------------------
 
-    def _count(self, slots: list[ParamSlot], payloads: list[list[torch.Tensor]], stats: CommStats, ctx) -> None:
+    def _count(self, job: _InFlight, stats: CommStats) -> None:
         dense = 0
-        for slot, payload in zip(slots, payloads):
+        for slot, payload, seen in zip(job.slots, job.payloads, job.grad_bytes):
             counters = slot.state.counters(COUNTERS, 2)
-            sent = sum(nbytes(t) for t in payload) if ctx.replicate else 0
-            seen = nbytes(slot.grad) if slot.grad is not None else 0
+            sent = sum(nbytes(t) for t in payload) if job.ctx.replicate else 0
             counters += torch.tensor([sent, seen], dtype=torch.int64, device=counters.device)
             dense += seen
         stats.dense_bytes = ring_all_reduce_bytes(dense, self.topology.size)
