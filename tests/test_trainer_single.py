@@ -56,25 +56,20 @@ def test_bad_optim_args_fail_when_the_trainer_is_built(tok, tmp_path, optim_args
     assert message in str(err.value)
 
 
-def test_single_process_trainer_trains_with_flexdemo(tok, tmp_path):
-    args = TrainingArguments(
-        str(tmp_path),
-        optim="flexdemo",
-        optim_args="topk=8,chunk=16",
-        learning_rate=1e-3,
-        max_steps=12,
-        per_device_train_batch_size=8,
-        logging_steps=1,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-    )
-    trainer = Trainer(
+def flexdemo_llama_trainer(tok, tmp_path, rows: int, **overrides) -> Trainer:
+    """The stock Trainer on a tiny Llama, one CPU process, FlexDeMo with small tiles."""
+    settings = dict(optim="flexdemo", optim_args="topk=8,chunk=16", learning_rate=1e-3, per_device_train_batch_size=8)
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", **{**settings, **overrides})
+    return Trainer(
         model=tiny_model("llama", len(tok)),
         args=args,
-        train_dataset=dataset("llama", tok, rows=64),
+        train_dataset=dataset("llama", tok, rows=rows),
         data_collator=default_data_collator,
     )
+
+
+def test_single_process_trainer_trains_with_flexdemo(tok, tmp_path):
+    trainer = flexdemo_llama_trainer(tok, tmp_path, rows=64, max_steps=12, logging_steps=1, save_strategy="no")
     trainer.train()
     assert isinstance(trainer.optimizer.optimizer, hf_flexdemo.FlexDeMo)
     assert trainer.optimizer.optimizer.topology.size == 1
@@ -94,23 +89,13 @@ def test_epoch_checkpoints_hold_every_update_with_overlap(tok, tmp_path):
         def on_save(self, args, state, control, model=None, **kw):
             self.weights[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    args = TrainingArguments(
-        str(tmp_path),
-        optim="flexdemo",
+    trainer = flexdemo_llama_trainer(
+        tok,
+        tmp_path,
+        rows=16,
         optim_args="topk=8,chunk=16,overlap=true",
-        learning_rate=1e-3,
         num_train_epochs=2,
-        per_device_train_batch_size=8,
-        use_cpu=True,
-        report_to="none",
         save_strategy="epoch",
-        save_only_model=False,
-    )
-    trainer = Trainer(
-        model=tiny_model("llama", len(tok)),
-        args=args,
-        train_dataset=dataset("llama", tok, rows=16),
-        data_collator=default_data_collator,
     )
     live = LiveWeightsAtSave()
     trainer.add_callback(live)
