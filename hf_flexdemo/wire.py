@@ -62,7 +62,9 @@ class Exchange:
     """A started collective: :meth:`wait` returns what it received and the bytes it moved."""
 
     def __init__(self, works: list, finish: Callable[[], Any], stats: CommStats, started: float):
-        self._works, self._finish, self.stats, self._started = works, finish, stats, started
+        # Synchronous collectives return None instead of a work handle: nothing to wait for.
+        self._works = [work for work in works if work is not None]
+        self._finish, self.stats, self._started = finish, stats, started
 
     @classmethod
     def done(cls, received: Any) -> Exchange:
@@ -122,7 +124,7 @@ def all_gather_packed(tensors: Sequence[torch.Tensor], topology: ReplicaTopology
 
     moved = all_gather_bytes(size, topology.size)
     stats = CommStats(bytes_sent=moved, bytes_received=moved, collectives=1)
-    return Exchange([work] if async_op else [], unpack, stats, started)
+    return Exchange([work], unpack, stats, started)
 
 
 def all_reduce_mean_packed(
@@ -154,4 +156,4 @@ def all_reduce_mean_packed(
                 offset += n
         return out
 
-    return Exchange(works if async_op else [], split, stats, started)
+    return Exchange(works, split, stats, started)
