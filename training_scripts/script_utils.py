@@ -30,6 +30,7 @@ from transformers import AutoConfig, HfArgumentParser, Trainer, TrainingArgument
 
 from hf_flexdemo import FlexDeMoCallback  # importing hf_flexdemo registers optim="flexdemo"
 from hf_flexdemo.integrations.trainer import describe, is_flexdemo, layout
+from hf_flexdemo.wire import ring_all_reduce_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +268,7 @@ def comm_figures(trainer: Trainer) -> dict[str, float]:
     config = getattr(trainer.accelerator, "parallelism_config", None)
     replicas = config.dp_replicate_size if config is not None else 1
     grad_bytes = sum(p.numel() * 4 for p in trainer.model.parameters() if p.requires_grad)
-    dense = 2 * (replicas - 1) / replicas * grad_bytes * trainer.state.global_step
+    dense = ring_all_reduce_bytes(grad_bytes, replicas) * trainer.state.global_step
     return {"sent": dense, "dense": dense}
 
 
