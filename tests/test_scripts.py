@@ -18,6 +18,8 @@ from support.accelerate_runs import launch_command
 from support.fake_hub import FakeHub
 from support.launch import REPO_ROOT, child_env, run_checked
 
+pytestmark = pytest.mark.scripts
+
 TOKEN = "hf_flexdemo_test_secret_token"
 SCRIPTS = REPO_ROOT / "training_scripts"
 STEPS = "--max_steps 8 --save_strategy steps --save_steps 4 --logging_steps 1 --warmup_steps 0".split()
@@ -113,14 +115,17 @@ def test_push_sends_checkpoints_and_the_card_intact(runs):
         assert files[name] == (local / name).read_bytes(), name
     titles = [c.title for c in runs["t5_commits"]]
     assert "Training in progress, step 4" in titles and titles[-1] == "End of training"
+    # Every pushed checkpoint is a model that loads: gathered weights, config and tokenizer.
+    step4 = next(c for c in runs["t5_commits"] if c.title == "Training in progress, step 4")
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(step4.added), step4.added
 
 
 def test_refused_push_gives_a_clear_error_and_keeps_local_files_whole(runs):
     proc, local = runs["vit"], runs["root"] / "vit"
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
-    assert "Pushing to the Hub" in output and "403" in output and "no write access" in output
-    assert "Nothing local was lost" in output
+    assert "The Hub at" in output and "403" in output and "no write access" in output
+    assert "Nothing local was lost" in output and "holds the final model and the complete checkpoint" in output
     assert runs["vit_files"] == {}
     assert (local / "model.safetensors").exists() and (local / "README.md").exists()
     assert (local / "checkpoint-8" / "trainer_state.json").exists()

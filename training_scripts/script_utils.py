@@ -3,9 +3,11 @@
 - argument parsing with ``--optim flexdemo`` by default and ``--preset`` defaults that any
   flag still overrides (``--hub_token`` moves to ``HF_TOKEN``, out of ``training_args.bin``;
   the seed is set before any model is built, so every process starts from the same weights);
-- the final save of full weights (FSDP2 with a sharded state dict saves none);
+- loadable checkpoints and final weights (FSDP2 with a sharded state dict saves neither
+  weights, config nor tokenizer in ``checkpoint-N``; a pushed checkpoint gets gathered weights);
 - the model card rendered from ``model_cards/flexdemo.md``;
-- the Hub push, with a clear error that leaves the local files whole;
+- the Hub push, and a full disk or read-only output, each with one clear error that leaves
+  the local files whole;
 - the end-of-run summary: metrics and the inter-node bytes against AdamW with HSDP.
 """
 
@@ -23,12 +25,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 from huggingface_hub import ModelCard, ModelCardData, constants
 from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoConfig, HfArgumentParser, Trainer, TrainingArguments, set_seed
 
 from hf_flexdemo import FlexDeMoCallback  # importing hf_flexdemo registers optim="flexdemo"
+from hf_flexdemo.integrations.checkpoints import (
+    CheckpointStorageError,
+    check_writable,
+    newest_complete,
+    storage_errors,
+)
 from hf_flexdemo.integrations.trainer import describe, is_flexdemo, layout
 from hf_flexdemo.wire import ring_all_reduce_bytes
 
@@ -78,6 +85,10 @@ def parse_arguments(
     parsed = parser.parse_args_into_dataclasses(args=argv)
     for args in parsed:
         if isinstance(args, TrainingArguments):
+            try:
+                check_writable(args.output_dir)  # before the tokenizer or anything else is written
+            except CheckpointStorageError as error:
+                raise SystemExit(str(error)) from None
             if args.hub_token:
                 hide_token(args)
             # Before the model is built: every process must start from the same random weights.
@@ -133,16 +144,22 @@ def train_and_report(trainer: Trainer, headline: Sequence[str], derived=None) ->
     ``derived(metrics)`` may add metrics computed from the evaluation (e.g. perplexity).
     """
     args = trainer.args
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    metrics = trainer.evaluate(metric_key_prefix="eval")
-    if derived:
-        extra = derived(metrics)
-        metrics.update(extra)
-        trainer.log(extra)
-    trainer.log_metrics("eval", metrics)
-    trainer.save_metrics("eval", metrics)
-    save_full_model(trainer)
-    trainer.create_model_card()
+    try:
+        with storage_errors(args.output_dir), hub_errors(args):  # checkpoint pushes fail at the end of train()
+            trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+            metrics = trainer.evaluate(metric_key_prefix="eval")
+            if derived:
+                extra = derived(metrics)
+                metrics.update(extra)
+                trainer.log(extra)
+            trainer.log_metrics("eval", metrics)
+            trainer.save_metrics("eval", metrics)
+            save_full_model(trainer)
+            trainer.create_model_card()
+    except CheckpointStorageError as error:
+        if trainer.is_world_process_zero():
+            raise SystemExit(str(error)) from None
+        raise SystemExit(f"rank {args.process_index}: {error.cause or error}") from None  # rank 0 says the rest
     if args.push_to_hub:
         push_to_hub(trainer)
     print_summary(trainer, metrics, headline)
@@ -154,26 +171,52 @@ def train_and_report(trainer: Trainer, headline: Sequence[str], derived=None) ->
 
 def save_full_model(trainer: Trainer) -> None:
     """Save full weights to ``output_dir`` (call on every process: gathering is collective)."""
-    accelerator = trainer.accelerator
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+    if saves_sharded(trainer):
+        save_loadable(trainer, trainer.args.output_dir, with_weights=True)
+    else:
         trainer.save_model()
+
+
+def saves_sharded(trainer: Trainer) -> bool:
+    """Whether the Trainer's own saves hold sharded weights only (FSDP with a sharded state dict)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return plugin is not None and "FULL_STATE_DICT" not in str(plugin.state_dict_type)
+
+
+def save_loadable(trainer: Trainer, output_dir: str, with_weights: bool) -> None:
+    """Config and tokenizer in ``output_dir``, and gathered full weights if ``with_weights`` (collective)."""
+    accelerator = trainer.accelerator
+    state_dict = accelerator.get_state_dict(trainer.model) if with_weights else None  # gathers the shards
+    if not trainer.args.should_save:
         return
-    state_dict = accelerator.get_state_dict(trainer.model)  # gathers the shards
-    if trainer.args.should_save:
-        accelerator.unwrap_model(trainer.model).save_pretrained(trainer.args.output_dir, state_dict=state_dict)
-        if trainer.processing_class is not None:
-            trainer.processing_class.save_pretrained(trainer.args.output_dir)
+    model = accelerator.unwrap_model(trainer.model)
+    if state_dict is not None:
+        model.save_pretrained(output_dir, state_dict=state_dict)
+    else:
+        model.config.save_pretrained(output_dir)
+    if trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(output_dir)
 
 
-class CardMixin:
-    """Trainer mixin: the model card is rendered from ``model_cards/flexdemo.md``.
+class ScriptTrainerMixin:
+    """Trainer mixin of the scripts: loadable checkpoints and the model card.
 
-    The script sets ``trainer.card_info`` (``model_description``, ``dataset_description``,
-    ``datasets``, ``base_model``, ``tags``) before training.
+    - With a sharded state dict the Trainer's ``checkpoint-N`` holds only shards; here it also
+      gets the config and the tokenizer, and gathered ``model.safetensors`` when checkpoints
+      are pushed to the Hub (``--hub_strategy`` other than ``end``), so that every pushed
+      revision is a model that loads.
+    - The model card is rendered from ``model_cards/flexdemo.md``: the script sets
+      ``trainer.card_info`` (``model_description``, ``dataset_description``, ``datasets``,
+      ``base_model``, ``tags``) before training.
     """
 
     card_info: dict[str, Any] = {}
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        if _internal_call and saves_sharded(self):
+            pushed = self.args.push_to_hub and str(getattr(self.args.hub_strategy, "value", "")) != "end"
+            save_loadable(self, output_dir or self.args.output_dir, with_weights=pushed)
 
     def create_model_card(self, *args, **kwargs) -> None:
         if self.is_world_process_zero():
@@ -224,19 +267,42 @@ def render_model_card(trainer: Trainer, info: dict[str, Any]) -> ModelCard:
     )
 
 
+HTTP_CLIENT_MODULES = ("httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3")
+"""Where huggingface_hub's transport errors come from (2.x raises httpx2's, which are not httpx's)."""
+
+
+def is_hub_error(error: BaseException) -> bool:
+    """A refused Hub request or a network failure on the way to the Hub."""
+    if isinstance(error, HfHubHTTPError):
+        return True
+    return any(type(e).__module__.split(".")[0] in HTTP_CLIENT_MODULES for e in (error, error.__cause__) if e)
+
+
 @contextlib.contextmanager
 def hub_errors(args: TrainingArguments):
     """Turn a refused or failed Hub request into one clear error; local files stay as they are."""
     try:
         yield
-    except (HfHubHTTPError, httpx.HTTPError) as error:
+    except Exception as error:
+        if not is_hub_error(error):
+            raise
         repo = args.hub_model_id or Path(args.output_dir).name
         raise SystemExit(
-            f"Pushing to the Hub at {constants.ENDPOINT} (repo {repo!r}) failed: {error}\n"
-            f"Nothing local was lost: {os.path.abspath(args.output_dir)} holds the complete model and checkpoints. "
+            f"The Hub at {constants.ENDPOINT} (repo {repo!r}) failed: {type(error).__name__}: {error}\n"
+            f"Nothing local was lost: {local_files(args.output_dir)}. "
             "Fix the cause (token rights, repo name, network) and push again, e.g. "
             f"`hf upload {repo} {args.output_dir}`."
         ) from None
+
+
+def local_files(output_dir: str) -> str:
+    """What ``output_dir`` holds that a person would want back: the final model, the newest complete checkpoint."""
+    root = Path(output_dir).resolve()
+    held = ["the final model"] if (root / "model.safetensors").exists() else []
+    newest = newest_complete(root)
+    if newest is not None:
+        held.append(f"the complete checkpoint {newest.name}")
+    return f"{root} holds {' and '.join(held)}" if held else f"nothing had been trained into {root} yet"
 
 
 def push_to_hub(trainer: Trainer) -> None:

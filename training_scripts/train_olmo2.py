@@ -26,7 +26,7 @@ from itertools import chain
 from datasets import Dataset, load_dataset
 from offline_data import bpe_tokenizer, english_paragraphs, shared_tokenizer, split
 from script_utils import (
-    CardMixin,
+    ScriptTrainerMixin,
     ScriptArguments,
     card_info,
     hub_errors,
@@ -103,7 +103,7 @@ def build_model_and_tokenizer(args: Olmo2Arguments, train: Dataset, training_arg
     return hub_model(AutoModelForCausalLM, args), AutoTokenizer.from_pretrained(args.model_name_or_path)
 
 
-class LanguageModelTrainer(CardMixin, Trainer):
+class LanguageModelTrainer(ScriptTrainerMixin, Trainer):
     pass
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from datasets import Dataset, load_dataset
 from offline_data import english_paragraphs, shared_tokenizer, split, t5_tokenizer, translation_pairs
 from script_utils import (
-    CardMixin,
+    ScriptTrainerMixin,
     ScriptArguments,
     card_info,
     hub_errors,
@@ -123,7 +123,7 @@ def build_model_and_tokenizer(args: T5Arguments, train: Dataset, training_args: 
     return hub_model(AutoModelForSeq2SeqLM, args), AutoTokenizer.from_pretrained(args.model_name_or_path)
 
 
-class TranslationTrainer(CardMixin, Seq2SeqTrainer):
+class TranslationTrainer(ScriptTrainerMixin, Seq2SeqTrainer):
     pass
 
 

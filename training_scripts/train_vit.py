@@ -27,7 +27,7 @@ from datasets import ClassLabel, Dataset, Features, Image, load_dataset
 from offline_data import digit_images, split
 from PIL import Image as PILImage
 from script_utils import (
-    CardMixin,
+    ScriptTrainerMixin,
     ScriptArguments,
     card_info,
     hub_errors,
@@ -118,7 +118,7 @@ def build_model_and_processor(args: ViTArguments, labels: list[str]):
     return hub_model(AutoModelForImageClassification, args, num_labels=len(labels), **extra, **label_maps), processor
 
 
-class ClassificationTrainer(CardMixin, Trainer):
+class ClassificationTrainer(ScriptTrainerMixin, Trainer):
     pass
 
 

@@ -127,6 +127,7 @@ class FlexDeMoCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
         if self._optimizer is not None:
             self._optimizer.synchronize()
+            self.assert_replicas_in_sync(state.global_step)  # also after --load_best_model_at_end
             if state.global_step > self._last[0]:  # steps since the last log: refresh the figures
                 self._figures(state.global_step)
 

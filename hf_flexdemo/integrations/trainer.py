@@ -9,7 +9,10 @@ for FlexDeMo's own settings. It also puts :class:`FlexDeMoCallback` among the Tr
 default callbacks; the callback does nothing unless the optimizer is FlexDeMo; makes
 the model card's optimizer line name FlexDeMo, its settings and the layout; and marks
 T5-family models as averaging their own loss (see :func:`mark_mean_loss_model`), a trap
-of transformers 5.x that scales T5's loss by processes and accumulation steps.
+of transformers 5.x that scales T5's loss by processes and accumulation steps. Every
+Trainer also gets crash-safe checkpoints (:mod:`.checkpoints`): ``train`` resumes from the
+newest *complete* checkpoint for ``resume_from_checkpoint="auto"`` or ``True`` (and after an
+automatic restart), and a worker stops when its launcher dies (:mod:`hf_flexdemo.elastic`).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import transformers.trainer
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
+from .. import elastic
 from ..config import FlexDeMoConfig, parse_optim_args
 from ..optim import FlexDeMo
 from ._patching import wrap_method
 from .callback import FlexDeMoCallback
+from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +127,17 @@ def mark_mean_loss_model(model) -> bool:
 
 def _trainer_init(original, self, *args, **kwargs):
     mark_mean_loss_model(kwargs["model"] if "model" in kwargs else (args[0] if args else None))
+    elastic.check_restart_setup()  # before any data is loaded
     original(self, *args, **kwargs)
+    elastic.exit_with_launcher()
+
+
+def _trainer_train(original, self, resume_from_checkpoint=None, *args, **kwargs):
+    """Resume from the newest *complete* checkpoint (``"auto"``/``True``, or after an automatic restart)."""
+    check_writable(self.args.output_dir)
+    resume = resolve_resume(self.args.output_dir, resume_from_checkpoint)
+    with storage_errors(self.args.output_dir):
+        return original(self, resume, *args, **kwargs)
 
 
 def _card_hyperparameters(original, trainer) -> dict[str, Any]:
@@ -149,7 +164,9 @@ def install() -> None:
     modelcard.extract_hyperparameters_from_trainer = functools.wraps(original)(
         lambda trainer: _card_hyperparameters(original, trainer)
     )
-    if FlexDeMoCallback not in transformers.trainer.DEFAULT_CALLBACKS:
-        transformers.trainer.DEFAULT_CALLBACKS.append(FlexDeMoCallback)
+    for callback in (FlexDeMoCallback, CheckpointCallback):
+        if callback not in transformers.trainer.DEFAULT_CALLBACKS:
+            transformers.trainer.DEFAULT_CALLBACKS.append(callback)
     wrap_method(transformers.Trainer, "__init__", _trainer_init)
+    wrap_method(transformers.Trainer, "train", _trainer_train)
     _INSTALLED = True

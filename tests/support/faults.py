@@ -1,0 +1,87 @@
+"""Fault injection for multi-process runs: SIGKILL workers mid-save, kill the launcher, small disks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from hf_flexdemo.integrations.checkpoints import MARKER, checkpoints
+
+
+def workers(launcher: subprocess.Popen) -> list[psutil.Process]:
+    """The worker processes of an ``accelerate launch`` started as ``launcher`` (its direct children)."""
+    try:
+        return psutil.Process(launcher.pid).children()
+    except psutil.NoSuchProcess:
+        return []
+
+
+def wait_for(condition, timeout: float, what: str, poll: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def saving_now(run_dir: Path, after_step: int) -> int | None:
+    """The step of a checkpoint newer than ``after_step`` that is being written (no marker yet)."""
+    for step, folder in checkpoints(run_dir):
+        if step > after_step and not (folder / MARKER).exists():
+            return step
+    return None
+
+
+def kill_during_saves(launcher: subprocess.Popen, run_dir: Path, kills: int, seed: int) -> list[str]:
+    """SIGKILL a random worker at a random moment of ``kills`` different saves; returns what was killed.
+
+    Waits for a checkpoint directory without its completion marker, sleeps 0-150 ms (seeded),
+    then kills one worker chosen at random; before the next kill the restarted workers must
+    have written a newer checkpoint.
+    """
+    rng = random.Random(seed)
+    done, last_step = [], 0
+    for _ in range(kills):
+        step = wait_for(lambda: launcher.poll() is None and saving_now(run_dir, last_step), 300, "a save to start")
+        time.sleep(rng.uniform(0.0, 0.15))
+        alive = workers(launcher)
+        if not alive:
+            break
+        victim = rng.choice(alive)
+        victim.send_signal(signal.SIGKILL)
+        done.append(f"pid {victim.pid} during the save of checkpoint-{step}")
+        last_step = step
+        # The agent restarts every worker; wait for the new ones to start before looking again.
+        wait_for(lambda: launcher.poll() is not None or victim.pid not in [w.pid for w in workers(launcher)], 60, "restart")
+    return done
+
+
+@contextlib.contextmanager
+def small_disk(megabytes: int, read_only: bool = False):
+    """A tmpfs of ``megabytes`` (root and mount(8) needed); yields its path or None when it cannot be made."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        yield None
+        return
+    path = Path(tempfile.mkdtemp(prefix="flexdemo-disk-"))
+    options = f"size={megabytes}m" + (",ro" if read_only else "")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    if made.returncode != 0:
+        path.rmdir()
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,156 @@
+"""Checkpoint completeness, resume resolution, rotation and error classification, in one process."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+from hf_flexdemo import elastic
+from hf_flexdemo.integrations.checkpoints import (
+    MARKER,
+    CheckpointStorageError,
+    check_writable,
+    incomplete_reason,
+    newest_complete,
+    resolve_resume,
+    rotate,
+    storage_cause,
+    storage_errors,
+    write_marker,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def make_checkpoint(run_dir, step, complete=True):
+    folder = run_dir / f"checkpoint-{step}"
+    (folder / "optimizer_0").mkdir(parents=True)
+    (folder / "optimizer_0" / "__0_0.distcp").write_bytes(b"x" * (100 + step))
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    if complete:
+        write_marker(folder, step)
+    return folder
+
+
+def test_a_marked_checkpoint_is_complete_until_a_file_is_truncated_or_missing(tmp_path):
+    folder = make_checkpoint(tmp_path, 1)
+    assert incomplete_reason(folder) is None
+    assert json.loads((folder / MARKER).read_text())["files"]["optimizer_0/__0_0.distcp"] == 101
+    (folder / "optimizer_0" / "__0_0.distcp").write_bytes(b"x" * 10)
+    assert "has 10 bytes, 101 when it was saved" in incomplete_reason(folder)
+    (folder / "optimizer_0" / "__0_0.distcp").unlink()
+    assert "is missing" in incomplete_reason(folder)
+    assert "no completion marker" in incomplete_reason(make_checkpoint(tmp_path, 2, complete=False))
+
+
+def test_auto_resume_takes_the_newest_complete_checkpoint_and_removes_the_rest(tmp_path, caplog):
+    make_checkpoint(tmp_path, 2)
+    make_checkpoint(tmp_path, 10)
+    truncated = make_checkpoint(tmp_path, 11)
+    (truncated / "trainer_state.json").write_text("{")
+    make_checkpoint(tmp_path, 12, complete=False)
+    with caplog.at_level("WARNING"):
+        assert resolve_resume(tmp_path, "auto") == str(tmp_path / "checkpoint-10")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-2"]
+    assert "checkpoint-11 (trainer_state.json has 1 bytes" in caplog.text and "checkpoint-12 (no completion" in caplog.text
+    assert resolve_resume(tmp_path, True) == str(tmp_path / "checkpoint-10")
+
+
+def test_auto_resume_with_no_complete_checkpoint_starts_fresh(tmp_path):
+    make_checkpoint(tmp_path, 1, complete=False)
+    assert resolve_resume(tmp_path, "auto") is None
+    assert not list(tmp_path.iterdir())
+    assert resolve_resume(tmp_path / "missing", "auto") is None
+    assert resolve_resume(tmp_path, None) is None
+
+
+def test_an_automatic_restart_resumes_by_default(tmp_path, monkeypatch):
+    make_checkpoint(tmp_path, 3)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resolve_resume(tmp_path, None) == str(tmp_path / "checkpoint-3")
+
+
+def test_an_explicit_incomplete_checkpoint_is_refused_with_the_alternative(tmp_path):
+    make_checkpoint(tmp_path, 4)
+    broken = make_checkpoint(tmp_path, 5)
+    (broken / "optimizer_0" / "__0_0.distcp").unlink()
+    with pytest.raises(ValueError, match=r"checkpoint-5.*is not a complete checkpoint: optimizer_0/__0_0.distcp is missing"):
+        resolve_resume(tmp_path, str(broken))
+    with pytest.raises(ValueError, match=r"--resume_from_checkpoint .*checkpoint-4"):
+        resolve_resume(tmp_path, str(broken))
+    assert resolve_resume(tmp_path, str(tmp_path / "checkpoint-4")) == str(tmp_path / "checkpoint-4")
+
+
+def test_a_checkpoint_saved_without_the_marker_is_resumed_when_named(tmp_path):
+    legacy = make_checkpoint(tmp_path, 7, complete=False)
+    assert resolve_resume(tmp_path, str(legacy)) == str(legacy)
+
+
+def test_rotation_counts_only_complete_checkpoints_and_keeps_the_newest_and_the_best(tmp_path):
+    for step in (1, 2, 3, 4):
+        make_checkpoint(tmp_path, step)
+    make_checkpoint(tmp_path, 5, complete=False)
+    assert rotate(tmp_path, 2, best=str(tmp_path / "checkpoint-1")) == ["checkpoint-2", "checkpoint-3"]
+    assert newest_complete(tmp_path) == tmp_path / "checkpoint-4"
+    assert (tmp_path / "checkpoint-1").exists() and (tmp_path / "checkpoint-5").exists()
+    assert rotate(tmp_path, None, best=None) == []
+
+
+@pytest.mark.parametrize(
+    "error,cause",
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), "the disk is full"),
+        (RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed: file write failed"), "the disk is full"),
+        (OSError(errno.EROFS, "Read-only file system"), "read-only"),
+    ],
+)
+def test_storage_causes_are_found_through_chains(error, cause):
+    try:
+        try:
+            raise error
+        except Exception as inner:
+            raise RuntimeError("CheckpointException ranks:dict_keys([2])") from inner
+    except RuntimeError as outer:
+        assert cause in storage_cause(outer)
+    assert storage_cause(ValueError("shape mismatch")) is None
+
+
+def test_storage_errors_name_what_is_whole_and_remove_the_half_written(tmp_path):
+    make_checkpoint(tmp_path, 1)
+    make_checkpoint(tmp_path, 2, complete=False)
+    with pytest.raises(CheckpointStorageError) as caught:
+        with storage_errors(tmp_path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    message = str(caught.value)
+    assert "the disk is full" in message and "checkpoint-1, is whole" in message and "checkpoint-2" in message
+    assert not (tmp_path / "checkpoint-2").exists()
+    with pytest.raises(KeyError), storage_errors(tmp_path):  # anything else passes through
+        raise KeyError("x")
+
+
+def test_an_unwritable_output_dir_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(CheckpointStorageError, match="cannot be written"):
+        check_writable(blocker / "out")
+    check_writable(tmp_path / "fine")
+
+
+def test_restarts_need_a_rendezvous_store_per_round(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(ValueError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        elastic.check_restart_setup()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    elastic.check_restart_setup()
+
+
+def test_a_distributed_checkpoint_failure_on_any_rank_is_recognised():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    failure = CheckpointException("ranks:[0, 2]", {2: (OSError(errno.ENOSPC, "No space left on device"), None)})
+    assert storage_cause(failure) == "the disk is full (No space left on device)"
+    with pytest.raises(CheckpointStorageError), storage_errors("/nonexistent/run"):
+        raise failure

@@ -1,0 +1,166 @@
+"""Crash-safe runs of `train_t5.py --preset offline` on 2 simulated nodes x 2 processes.
+
+Real faults, as they happen: workers SIGKILLed at random moments of frequent saves under
+`accelerate launch --max_restarts`, the launcher itself SIGKILLed, a disk that fills up, a
+read-only output directory, a Hub that cannot be reached. Every run is compared with an
+uninterrupted one, bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from support.accelerate_runs import launch_command
+from support.faults import kill_during_saves, small_disk, wait_for, workers
+from support.launch import REPO_ROOT, child_env, run_checked
+
+from hf_flexdemo.integrations.checkpoints import MARKER, checkpoints, incomplete_reason
+
+pytestmark = pytest.mark.faults
+
+SCRIPT = str(REPO_ROOT / "training_scripts" / "train_t5.py")
+FLAGS = (
+    "--preset offline --max_steps 10 --save_strategy steps --save_steps 1 --logging_steps 1 "
+    "--max_eval_samples 16 --generation_max_length 16 --seed 3"
+).split()
+RESTARTS = ["--max_restarts", "3", "--rdzv_backend", "c10d"]
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def t5_command(output_dir: Path, *flags: str, launch: tuple[str, ...] = ()) -> list[str]:
+    return launch_command(*launch, SCRIPT, "--output_dir", str(output_dir), *FLAGS, *flags)
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    newest = checkpoints(run_dir)[-1][1]
+    history = json.loads((newest / "trainer_state.json").read_text())["log_history"]
+    return [(h["step"], h["loss"]) for h in history if "loss" in h]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    run_checked(t5_command(out), timeout=600)
+    return out
+
+
+def test_same_seed_gives_the_same_run_bitwise(uninterrupted, tmp_path):
+    run_checked(t5_command(tmp_path), timeout=600)
+    assert losses(tmp_path) == losses(uninterrupted)
+    assert (tmp_path / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
+    assert (tmp_path / "tokenizer.json").read_bytes() == (uninterrupted / "tokenizer.json").read_bytes()
+
+
+def test_every_checkpoint_is_marked_complete_and_loadable(uninterrupted):
+    found = checkpoints(uninterrupted)
+    assert [step for step, _ in found] == list(range(1, 11))
+    for _, folder in found:
+        assert incomplete_reason(folder) is None
+        # The tokenizer and config travel with every checkpoint (a sharded save has no weights file).
+        assert (folder / "tokenizer.json").exists() and (folder / "config.json").exists()
+
+
+def test_workers_killed_during_saves_restart_and_end_bitwise_equal(uninterrupted, tmp_path):
+    command = t5_command(tmp_path, launch=tuple(RESTARTS))
+    launcher = subprocess.Popen(
+        command, env=child_env(**RESTART_ENV), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        killed = kill_during_saves(launcher, tmp_path, kills=2, seed=11)
+        output, _ = launcher.communicate(timeout=600)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, output[-6000:]
+    assert len(killed) == 2, killed
+    assert "Automatic restart 1" in output and "Automatic restart 2" in output, output[-6000:]
+    resumed = [line for line in output.splitlines() if "the newest complete checkpoint" in line]
+    assert len(resumed) >= 2, resumed
+    assert losses(tmp_path) == losses(uninterrupted)
+    assert (tmp_path / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
+    assert all(incomplete_reason(folder) is None for _, folder in checkpoints(tmp_path))
+
+
+def test_restarts_with_a_shared_rendezvous_store_are_refused_before_training(tmp_path):
+    command = t5_command(tmp_path, launch=("--max_restarts", "1"))  # the config's static rendezvous
+    proc = subprocess.run(command, env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "--max_restarts=1 cannot restart this job" in proc.stderr
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in proc.stderr and "--rdzv_backend c10d" in proc.stderr
+    assert not checkpoints(tmp_path)
+
+
+def test_workers_stop_when_the_launcher_is_killed(tmp_path):
+    launcher = subprocess.Popen(
+        t5_command(tmp_path, "--max_steps", "200"),
+        env=child_env(),
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: (tmp_path / "checkpoint-1" / MARKER).exists(), 300, "the first checkpoint", poll=0.2)
+        orphans = workers(launcher)
+        assert len(orphans) == 4
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        started = time.monotonic()
+        wait_for(lambda: not any(p.is_running() and p.status() != "zombie" for p in orphans), 30, "workers to stop")
+        assert time.monotonic() - started < 15
+    finally:
+        for p in workers(launcher):
+            p.kill()
+        launcher.kill()
+
+
+def test_a_full_disk_gives_one_clear_error_and_keeps_complete_checkpoints(uninterrupted):
+    checkpoint_mb = sum(f.stat().st_size for f in (uninterrupted / "checkpoint-1").rglob("*") if f.is_file()) / 2**20
+    with small_disk(int(checkpoint_mb * 2.6) + 1) as disk:
+        if disk is None:
+            pytest.skip("mounting a small tmpfs needs root and mount(8)")
+        out = disk / "run"
+        proc = subprocess.run(t5_command(out), env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0
+        assert "the disk is full" in output and "Nothing complete was lost" in output, output[-6000:]
+        assert "the newest complete checkpoint, " in output
+        assert "inline_container" not in output and "[rank0]: Traceback" not in output, output[-6000:]
+        found = checkpoints(out)
+        assert [incomplete_reason(folder) for _, folder in found[:-1]] == [None] * (len(found) - 1)
+        assert found and all(incomplete_reason(folder) is None for _, folder in found), found
+
+
+def test_a_read_only_output_dir_is_refused_before_training():
+    with small_disk(1, read_only=True) as disk:
+        if disk is None:
+            pytest.skip("mounting a read-only tmpfs needs root and mount(8)")
+        proc = subprocess.run(
+            t5_command(disk / "run"), env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode != 0
+        assert "cannot be written" in proc.stderr and "Read-only file system" in proc.stderr, proc.stderr[-4000:]
+
+
+def test_an_unreachable_hub_gives_one_clear_error(tmp_path):
+    env = child_env(HF_ENDPOINT="http://127.0.0.1:9", HF_TOKEN="hf_unused", HF_HUB_OFFLINE="0")
+    command = t5_command(tmp_path, "--push_to_hub", "--hub_model_id", "test-user/t5")
+    proc = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "The Hub at http://127.0.0.1:9" in proc.stderr and "ConnectError" in proc.stderr, proc.stderr[-4000:]
+    assert "nothing had been trained" in proc.stderr
+    assert "[rank0]: Traceback" not in proc.stderr
+
+
+def test_load_best_model_at_end_on_the_sharded_config_keeps_replicas_identical(tmp_path):
+    best = "--load_best_model_at_end --eval_strategy steps --eval_steps 2 --save_steps 2 --metric_for_best_model loss"
+    flags = [*best.split(), "--predict_with_generate", "false", "--log_level", "info"]
+    proc = run_checked(t5_command(tmp_path, *flags), timeout=600)
+    assert "Loading best model from" in proc.stdout + proc.stderr
+    states = [json.loads((folder / "trainer_state.json").read_text()) for _, folder in checkpoints(tmp_path)]
+    last = states[-1]
+    assert last["best_model_checkpoint"] == str(tmp_path / f"checkpoint-{last['best_global_step']}")
+    # FlexDeMoCallback compares the replicas after the best model is loaded and fails the run if they differ.
