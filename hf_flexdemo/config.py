@@ -26,6 +26,10 @@ PER_STEP_SCHEMES = ("demo", "random", "striding", "full")
 GROUP_KEYS = ("lr", "weight_decay", "decay", "topk", "chunk", "sign", "betas", "eps")
 """Hyperparameters that may differ between parameter groups; the rest hold for the whole optimizer."""
 
+OWN_KEYS = ("topk", "chunk", "decode", "value_dtype", "scheme", "replicate_every", "rate")
+OWN_KEYS += ("inner_steps", "outer_lr", "outer_momentum", "overlap")
+"""``optim_args`` keys that only FlexDeMo reads: with another ``optim`` they would be ignored."""
+
 
 @dataclass
 class FlexDeMoConfig:
@@ -70,7 +74,7 @@ class FlexDeMoConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
-        validate_group(dataclasses.asdict(self))
+        validate_group(dataclasses.asdict(self), scheme=self.scheme)
         _check_choice("scheme", self.scheme, SCHEMES)
         _check_choice("decode", self.decode, DECODE_MODES)
         _check_choice("value_dtype", self.value_dtype, tuple(VALUE_DTYPES))
@@ -144,6 +148,8 @@ def _parse_value(key: str, raw: str, default: Any) -> Any:
             return _parse_float(raw)
         if isinstance(default, tuple):
             return tuple(_parse_float(x) for x in raw.split(":"))
+    except ZeroDivisionError:
+        raise ValueError(f"FlexDeMo optim_args: {key}={raw!r} divides by zero; write a fraction like 1/128.") from None
     except ValueError:
         kind = "a pair like 0.9:0.999" if isinstance(default, tuple) else type(default).__name__
         raise ValueError(f"FlexDeMo optim_args: {key}={raw!r} is not {kind}.") from None
@@ -157,8 +163,12 @@ def _parse_float(raw: str) -> float:
     return float(raw)
 
 
-def validate_group(group: dict[str, Any]) -> None:
-    """Check the per-group hyperparameters; raises ValueError naming the setting, value and range."""
+def validate_group(group: dict[str, Any], scheme: str) -> None:
+    """Check the per-group hyperparameters; raises ValueError naming the setting, value and range.
+
+    ``betas`` and ``eps`` belong to DiLoCo's inner AdamW: other schemes do not use them, so
+    the Trainer's ``--adam_beta2 1.0`` (say) is no error there.
+    """
     _check_float("lr", group["lr"], low=0.0)
     _check_float("weight_decay", group["weight_decay"], low=0.0)
     _check_float("decay", group["decay"], low=0.0, high=1.0, high_open=True)
@@ -166,6 +176,8 @@ def validate_group(group: dict[str, Any]) -> None:
     _check_int("topk", group["topk"], low=1, high=group["chunk"] ** 2, why=" (at most chunk * chunk, a full tile)")
     if not isinstance(group["sign"], bool):
         raise ValueError(f"FlexDeMo: sign={group['sign']!r} is invalid; sign must be True or False.")
+    if scheme != "diloco":
+        return
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"FlexDeMo: betas={betas!r} is invalid; betas must be a pair (beta1, beta2).")

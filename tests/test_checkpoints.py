@@ -135,6 +135,8 @@ def test_an_unwritable_output_dir_is_refused(tmp_path):
     blocker.write_text("")
     with pytest.raises(CheckpointStorageError, match="cannot be written"):
         check_writable(blocker / "out")
+    with pytest.raises(CheckpointStorageError, match="cannot be written"):
+        resolve_resume(blocker / "out", None)  # the Trainer's train() checks it before anything else
     check_writable(tmp_path / "fine")
 
 

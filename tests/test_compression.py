@@ -21,6 +21,8 @@ from hf_flexdemo.compression import (
     to_coefficients,
 )
 
+pytestmark = pytest.mark.unit
+
 SHAPES = [(), (1,), (7,), (64,), (130,), (100, 30), (17, 12), (5, 3, 3), (6, 1, 2, 2), (2, 3, 4, 5), (1, 33)]
 
 

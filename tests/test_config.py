@@ -8,6 +8,8 @@ import torch
 from hf_flexdemo import FlexDeMo, FlexDeMoConfig
 from hf_flexdemo.config import parse_optim_args
 
+pytestmark = pytest.mark.unit
+
 BAD = [
     (dict(topk=0), "topk=0", "[1, 4096]"),
     (dict(topk=4097), "topk=4097", "at most chunk * chunk"),
@@ -26,7 +28,7 @@ BAD = [
     (dict(value_dtype="int8"), "value_dtype='int8'", "'param', 'bf16'"),
     (dict(topk=2.5), "topk=2.5", "integer"),
     (dict(outer_momentum=1.0), "outer_momentum=1.0", "[0.0, 1.0)"),
-    (dict(betas=(0.9, 1.5)), "betas[1]=1.5", "[0.0, 1.0)"),
+    (dict(scheme="diloco", betas=(0.9, 1.5)), "betas[1]=1.5", "[0.0, 1.0)"),
 ]
 
 
@@ -76,3 +78,15 @@ def test_bad_optim_args_are_refused(text, message):
 
 def test_parse_empty_optim_args():
     assert parse_optim_args(None) == {} and parse_optim_args("") == {}
+
+
+def test_adam_betas_matter_only_to_diloco():
+    # The Trainer passes --adam_beta1/2 to every scheme; only DiLoCo's inner AdamW reads them.
+    FlexDeMo([torch.nn.Parameter(torch.zeros(4))], scheme="demo", betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match=r"betas\[1\]=1.0 is invalid"):
+        FlexDeMo([torch.nn.Parameter(torch.zeros(4))], scheme="diloco", betas=(0.9, 1.0))
+
+
+def test_a_fraction_with_a_zero_denominator_is_refused_clearly():
+    with pytest.raises(ValueError, match=r"rate='1/0' divides by zero; write a fraction like 1/128"):
+        parse_optim_args("scheme=random,rate=1/0")

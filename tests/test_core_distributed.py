@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from support.launch import TESTS_DIR, read_rank_results, torchrun
 
+pytestmark = pytest.mark.multiprocess
+
 SYNCING = ("demo", "random", "striding", "full", "diloco")
 ALL = (*SYNCING, "none")
 

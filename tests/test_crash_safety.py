@@ -9,7 +9,9 @@ uninterrupted one, bitwise.
 from __future__ import annotations
 
 import json
+import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -32,8 +34,14 @@ RESTARTS = ["--max_restarts", "3", "--rdzv_backend", "c10d"]
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def t5_command(output_dir: Path, *flags: str, launch: tuple[str, ...] = ()) -> list[str]:
-    return launch_command(*launch, SCRIPT, "--output_dir", str(output_dir), *FLAGS, *flags)
+def t5_command(output_dir: Path, *flags: str, launch: tuple[str, ...] = (), config: str = "cpu_2x2.yaml") -> list[str]:
+    return launch_command(*launch, SCRIPT, "--output_dir", str(output_dir), *FLAGS, *flags, config=config)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -65,21 +73,31 @@ def test_every_checkpoint_is_marked_complete_and_loadable(uninterrupted):
         assert (folder / "tokenizer.json").exists() and (folder / "config.json").exists()
 
 
-def test_workers_killed_during_saves_restart_and_end_bitwise_equal(uninterrupted, tmp_path):
-    command = t5_command(tmp_path, launch=tuple(RESTARTS))
-    launcher = subprocess.Popen(
-        command, env=child_env(**RESTART_ENV), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+def test_workers_killed_during_saves_restart_on_every_node_and_end_bitwise_equal(uninterrupted, tmp_path):
+    """Two machines, one launcher each (c10d on loopback), as on a cluster; a worker of either is killed."""
+    launchers, logs = [], []
+    port = str(free_port())
+    for machine in (0, 1):
+        node = ("--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port", port)
+        command = t5_command(tmp_path, launch=(*RESTARTS, *node), config="cpu_2machines.yaml")
+        logs.append(tmp_path.parent / f"{tmp_path.name}-node{machine}.log")
+        with logs[-1].open("w") as log:
+            env = child_env(**RESTART_ENV)
+            launchers.append(subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT))
     try:
-        killed = kill_during_saves(launcher, tmp_path, kills=2, seed=11)
-        output, _ = launcher.communicate(timeout=600)
+        killed = kill_during_saves(launchers, tmp_path, kills=2, seed=11)
+        for launcher in launchers:
+            launcher.wait(timeout=600)
     finally:
-        launcher.kill()
-    assert launcher.returncode == 0, output[-6000:]
+        for launcher in launchers:
+            launcher.kill()
+    outputs = [log.read_text() for log in logs]
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs[0][-4000:] + outputs[1][-4000:]
     assert len(killed) == 2, killed
-    assert "Automatic restart 1" in output and "Automatic restart 2" in output, output[-6000:]
-    resumed = [line for line in output.splitlines() if "the newest complete checkpoint" in line]
-    assert len(resumed) >= 2, resumed
+    for output in outputs:  # every node resumed, not only the one whose worker died
+        assert "Automatic restart (restart " in output, output[-6000:]
+    decisions = re.findall(r"Resuming from \S+, the newest complete|No complete checkpoint in", outputs[0])
+    assert len(decisions) == 2, decisions  # rank 0 chose a checkpoint once per restart
     assert losses(tmp_path) == losses(uninterrupted)
     assert (tmp_path / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
     assert all(incomplete_reason(folder) is None for _, folder in checkpoints(tmp_path))

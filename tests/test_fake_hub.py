@@ -26,6 +26,8 @@ import json, sys
 from pathlib import Path
 from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import HfHubHTTPError
+
+pytestmark = pytest.mark.unit
 ARGS = json.loads(sys.argv[1])
 def emit(**values):
     print(json.dumps(values))

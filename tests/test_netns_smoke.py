@@ -17,6 +17,8 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 from link_benchmark import run_one  # noqa: E402
 from netns import NamespacePair, unavailable_reason  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 REASON = unavailable_reason()
 
 

@@ -7,6 +7,8 @@ from datasets import Dataset
 from offline_data import digit_images, english_paragraphs, shared_tokenizer, split, translation_pairs
 from transformers import TrainingArguments
 
+pytestmark = pytest.mark.unit
+
 
 def test_sources_are_real_and_present():
     assert sum(len(p.split()) for p in english_paragraphs()) > 50_000
@@ -41,3 +43,16 @@ def test_shared_tokenizer_is_trained_once_and_loaded_by_the_others(tmp_path, mon
     missing = TrainingArguments(str(tmp_path / "elsewhere"), use_cpu=True, report_to="none")
     with pytest.raises(FileNotFoundError, match="filesystem that every process sees"):
         shared_tokenizer(lambda: pytest.fail("rank 1 must not train"), missing)
+
+
+def test_a_resumed_run_reuses_the_saved_tokenizer_and_training_is_deterministic(tmp_path):
+    from offline_data import t5_tokenizer
+
+    texts = english_paragraphs()[:300]
+    first = t5_tokenizer(texts, 400)
+    assert t5_tokenizer(texts, 400).backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none")
+    shared_tokenizer(lambda: first, args)
+    resumed = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", resume_from_checkpoint="auto")
+    loaded = shared_tokenizer(lambda: pytest.fail("a resumed run must not train a new tokenizer"), resumed)
+    assert loaded.get_vocab() == first.get_vocab()

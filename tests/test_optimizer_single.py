@@ -14,6 +14,8 @@ from hf_flexdemo.schemes import DeMoScheme, ParamSlot, StepContext
 from hf_flexdemo.state_store import StateStore, StateView
 from hf_flexdemo.topology import ReplicaTopology
 
+pytestmark = pytest.mark.unit
+
 SHAPES = [(), (1,), (7,), (20, 12), (5, 3, 3), (6, 1, 2, 2)]
 SMALL = dict(topk=3, chunk=4, rate=0.25, inner_steps=3, lr=0.05, weight_decay=0.1, decay=0.9)
 

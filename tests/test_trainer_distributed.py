@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 from support.accelerate_runs import accelerate_launch, losses, read_run
 
+pytestmark = pytest.mark.multiprocess
+
 RUNS = ("t5_flexdemo", "t5_adamw_torch", "olmo2_flexdemo", "olmo2_adamw_torch")
 
 

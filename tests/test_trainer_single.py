@@ -56,6 +56,14 @@ def test_bad_optim_args_fail_when_the_trainer_is_built(tok, tmp_path, optim_args
     assert message in str(err.value)
 
 
+def test_flexdemo_settings_with_another_optimizer_are_refused(tok, tmp_path):
+    args = TrainingArguments(
+        str(tmp_path), optim="adamw_torch", optim_args="topk=32,scheme=demo", use_cpu=True, report_to="none"
+    )
+    with pytest.raises(ValueError, match=r"sets FlexDeMo's \['scheme', 'topk'\], but optim='adamw_torch'.*--optim flexdemo"):
+        Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=8))
+
+
 def flexdemo_llama_trainer(tok, tmp_path, rows: int, **overrides) -> Trainer:
     """The stock Trainer on a tiny Llama, one CPU process, FlexDeMo with small tiles."""
     settings = dict(optim="flexdemo", optim_args="topk=8,chunk=16", learning_rate=1e-3, per_device_train_batch_size=8)
@@ -112,6 +120,7 @@ def test_t5_family_is_marked_as_averaging_its_own_loss(tok):
     assert not mark_mean_loss_model(llama) and not hasattr(llama, "accepts_loss_kwargs")
 
 
+@pytest.mark.multiprocess
 def test_launcher_runs_an_unmodified_trainer_script(tmp_path):
     """accelerate launch -m hf_flexdemo.run <script>: the script never imports hf_flexdemo."""
     script = str(TESTS_DIR / "workers" / "plain_trainer_script.py")
@@ -147,6 +156,7 @@ def test_launcher_without_a_script_prints_usage():
     assert proc.returncode == 2 and "accelerate launch" in proc.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "case,message",
     [

@@ -85,10 +85,11 @@ def parse_arguments(
     parsed = parser.parse_args_into_dataclasses(args=argv)
     for args in parsed:
         if isinstance(args, TrainingArguments):
-            try:
-                check_writable(args.output_dir)  # before the tokenizer or anything else is written
-            except CheckpointStorageError as error:
-                raise SystemExit(str(error)) from None
+            if args.process_index == 0:
+                try:
+                    check_writable(args.output_dir)  # before the tokenizer or anything else is written
+                except CheckpointStorageError as error:
+                    raise SystemExit(str(error)) from None
             if args.hub_token:
                 hide_token(args)
             # Before the model is built: every process must start from the same random weights.

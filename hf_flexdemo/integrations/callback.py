@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from ..config import OWN_KEYS
 from ..optim import FlexDeMo
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,19 @@ class ReplicaDriftError(RuntimeError):
 def unwrap_flexdemo(optimizer) -> FlexDeMo | None:
     inner = getattr(optimizer, "optimizer", optimizer)
     return inner if isinstance(inner, FlexDeMo) else None
+
+
+def refuse_flexdemo_args_for_other_optimizers(args: TrainingArguments) -> None:
+    """``--optim adamw_torch --optim_args topk=32`` would train AdamW and drop the FlexDeMo settings."""
+    text = args.optim_args or ""
+    keys = {item.partition("=")[0].strip() for item in text.split(",")}
+    own = sorted(keys & set(OWN_KEYS))
+    if own:
+        optim = getattr(args.optim, "value", args.optim)
+        raise ValueError(
+            f"optim_args={text!r} sets FlexDeMo's {own}, but optim={optim!r} would ignore them. "
+            f"Write --optim flexdemo to train with FlexDeMo, or drop {own} from --optim_args."
+        )
 
 
 class FlexDeMoCallback(TrainerCallback):
@@ -66,6 +80,7 @@ class FlexDeMoCallback(TrainerCallback):
         from .trainer import flexdemo_kwargs, is_flexdemo
 
         if not is_flexdemo(args):
+            refuse_flexdemo_args_for_other_optimizers(args)
             return
         flexdemo_kwargs(args)  # bad optim_args fail here, before any data is loaded
         if args.fp16:
@@ -89,8 +104,16 @@ class FlexDeMoCallback(TrainerCallback):
         if topo.mesh is not None:
             names = [n for n in topo.mesh.mesh_dim_names if n != topo.replicate_dim]
             self._node_group = topo.mesh[names[0]].get_group() if names else None
-        if not opt.replicas_should_match and opt.scheme.name == "none":
-            logger.warning("FlexDeMo scheme='none': replicas are not synchronized and will drift apart.")
+        if opt.config.scheme == "none" and topo.size > 1:
+            logger.warning(
+                "FlexDeMo scheme='none' on %d replicas: nothing is exchanged, so replicas drift apart.", topo.size
+            )
+        if topo.size == 1 and state.is_world_process_zero:
+            logger.warning(
+                "FlexDeMo has 1 replica: nothing crosses nodes (byte figures stay 0) and each step applies the "
+                "sign of this replica's own update. Launch several nodes (parallelism_config_dp_replicate_size) "
+                "to replicate."
+            )
         if state.is_world_process_zero:
             logger.info("FlexDeMo: %d replica(s), scheme=%r, %s", topo.size, opt.config.scheme, opt.config)
         self._last = (state.global_step, self._node_totals())

@@ -155,19 +155,25 @@ def resolve_resume(run_dir: str | os.PathLike, request: str | bool | None) -> st
     ``"auto"`` or ``True``: the newest complete checkpoint in ``run_dir`` (incomplete ones are
     removed and named in the log), or ``None`` for a fresh start. ``None``/``False``: no
     resume, except after an automatic restart (torchelastic), where it means ``"auto"``.
-    A path: that checkpoint, which must be complete.
+    A path: that checkpoint, which must be complete. The main process decides (and checks
+    that ``run_dir`` can be written) and tells the others, so that all of them raise together.
     """
-    if not request and elastic.restart_count() > 0:
-        logger.warning("Automatic restart %d: resuming from the newest complete checkpoint.", elastic.restart_count())
+    restarts = _job_restart_count()
+    if not request and restarts > 0:
+        logger.warning("Automatic restart (restart %d of a launcher): resuming from the newest complete checkpoint.", restarts)
         request = AUTO
-    if not request:
-        return None
     decision: list = [None]
     if _rank() == 0:
-        decision[0] = _decide(Path(run_dir), request)
+        try:
+            check_writable(run_dir)
+            decision[0] = _decide(Path(run_dir), request) if request else ("ok", None)
+        except CheckpointStorageError as error:
+            decision[0] = ("unwritable", str(error))
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(decision, src=0)
     kind, value = decision[0]
+    if kind == "unwritable":
+        raise CheckpointStorageError(value, "the output directory cannot be written")
     if kind == "error":
         raise ValueError(value)
     return value
@@ -286,9 +292,7 @@ def storage_cause(error: BaseException) -> str | None:
 
 
 def check_writable(run_dir: str | os.PathLike) -> None:
-    """Refuse before training when ``output_dir`` cannot be written (main process checks)."""
-    if _rank() != 0:
-        return
+    """Refuse before training when ``output_dir`` cannot be written (call it on the main process)."""
     run_dir = Path(run_dir)
     probe = run_dir / ".flexdemo_write_probe"
     try:
@@ -307,6 +311,17 @@ def check_writable(run_dir: str | os.PathLike) -> None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _job_restart_count() -> int:
+    """The highest restart count of any process: on several nodes, only the agent whose worker
+    failed counts a restart; the other nodes' workers join the new round with their old count."""
+    count = elastic.restart_count()
+    if dist.is_available() and dist.is_initialized():
+        counts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, count)
+        count = max(counts)
+    return count
 
 
 def _barrier() -> None:

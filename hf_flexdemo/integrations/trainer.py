@@ -31,7 +31,7 @@ from ..config import FlexDeMoConfig, parse_optim_args
 from ..optim import FlexDeMo
 from ._patching import wrap_method
 from .callback import FlexDeMoCallback
-from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
+from .checkpoints import CheckpointCallback, resolve_resume, storage_errors
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +134,7 @@ def _trainer_init(original, self, *args, **kwargs):
 
 def _trainer_train(original, self, resume_from_checkpoint=None, *args, **kwargs):
     """Resume from the newest *complete* checkpoint (``"auto"``/``True``, or after an automatic restart)."""
-    check_writable(self.args.output_dir)
-    resume = resolve_resume(self.args.output_dir, resume_from_checkpoint)
+    resume = resolve_resume(self.args.output_dir, resume_from_checkpoint)  # also refuses an unwritable output_dir
     with storage_errors(self.args.output_dir):
         return original(self, resume, *args, **kwargs)
 

@@ -130,7 +130,7 @@ class FlexDeMo(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        validate_group(self.param_groups[-1])
+        validate_group(self.param_groups[-1], scheme=self.config.scheme)
 
     # -- topology ----------------------------------------------------------------------
 

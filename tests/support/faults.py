@@ -17,12 +17,15 @@ import psutil
 from hf_flexdemo.integrations.checkpoints import MARKER, checkpoints
 
 
-def workers(launcher: subprocess.Popen) -> list[psutil.Process]:
-    """The worker processes of an ``accelerate launch`` started as ``launcher`` (its direct children)."""
-    try:
-        return psutil.Process(launcher.pid).children()
-    except psutil.NoSuchProcess:
-        return []
+def workers(*launchers: subprocess.Popen) -> list[psutil.Process]:
+    """The worker processes of ``accelerate launch`` processes (their direct children)."""
+    found = []
+    for launcher in launchers:
+        try:
+            found += psutil.Process(launcher.pid).children()
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def wait_for(condition, timeout: float, what: str, poll: float = 0.02):
@@ -43,27 +46,28 @@ def saving_now(run_dir: Path, after_step: int) -> int | None:
     return None
 
 
-def kill_during_saves(launcher: subprocess.Popen, run_dir: Path, kills: int, seed: int) -> list[str]:
+def kill_during_saves(launchers: list[subprocess.Popen], run_dir: Path, kills: int, seed: int) -> list[str]:
     """SIGKILL a random worker at a random moment of ``kills`` different saves; returns what was killed.
 
     Waits for a checkpoint directory without its completion marker, sleeps 0-150 ms (seeded),
-    then kills one worker chosen at random; before the next kill the restarted workers must
-    have written a newer checkpoint.
+    then kills one worker of any launcher, chosen at random; before the next kill the
+    restarted workers must have written a newer checkpoint.
     """
     rng = random.Random(seed)
     done, last_step = [], 0
+    running = lambda: all(launcher.poll() is None for launcher in launchers)  # noqa: E731
     for _ in range(kills):
-        step = wait_for(lambda: launcher.poll() is None and saving_now(run_dir, last_step), 300, "a save to start")
+        step = wait_for(lambda: running() and saving_now(run_dir, last_step), 300, "a save to start")
         time.sleep(rng.uniform(0.0, 0.15))
-        alive = workers(launcher)
+        alive = workers(*launchers)
         if not alive:
             break
         victim = rng.choice(alive)
         victim.send_signal(signal.SIGKILL)
         done.append(f"pid {victim.pid} during the save of checkpoint-{step}")
         last_step = step
-        # The agent restarts every worker; wait for the new ones to start before looking again.
-        wait_for(lambda: launcher.poll() is not None or victim.pid not in [w.pid for w in workers(launcher)], 60, "restart")
+        # Every agent restarts its workers; wait until the victim is gone before looking again.
+        wait_for(lambda: not running() or victim.pid not in [w.pid for w in workers(*launchers)], 60, "restart")
     return done
 
 
