@@ -1,13 +1,17 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
 # Each creates the virtual environment on first use. TORCH_SPEC pins the CPU wheel this
 # machine has on disk; on a GPU machine use your own torch (`pip install -e .`).
+# `make test` also builds .venv-lowest with the lowest supported transformers/accelerate
+# (constraints/lowest.txt) and runs the `lowest` subset there.
 
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
+LOWEST_VENV ?= .venv-lowest
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+LOWEST_STAMP := $(LOWEST_VENV)/.installed
 
-.PHONY: demo test venv
+.PHONY: demo test test-unit test-lowest venv
 
 venv: $(STAMP)
 
@@ -17,10 +21,22 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
+$(LOWEST_STAMP): setup.cfg pyproject.toml constraints/lowest.txt
+	python3 -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(LOWEST_VENV)/bin/python -m pip install --quiet -e ".[test]" -c constraints/lowest.txt
+	touch $(LOWEST_STAMP)
+
 # T5 translation, offline preset, 2 simulated nodes x 2 processes on this machine's CPU.
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_2x2.yaml \
 		training_scripts/train_t5.py --preset offline
 
-test: $(STAMP)
+test: test-lowest $(STAMP)
 	$(PYTHON) -m pytest -q
+
+test-unit: $(STAMP)
+	$(PYTHON) -m pytest -q -m unit
+
+test-lowest: $(LOWEST_STAMP)
+	$(LOWEST_VENV)/bin/python -m pytest -q -m lowest

@@ -21,7 +21,7 @@ from hf_flexdemo.integrations.checkpoints import (
     write_marker,
 )
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.lowest]
 
 
 def make_checkpoint(run_dir, step, complete=True):

@@ -8,7 +8,7 @@ import torch
 from hf_flexdemo import FlexDeMo, FlexDeMoConfig
 from hf_flexdemo.config import parse_optim_args
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.lowest]
 
 BAD = [
     (dict(topk=0), "topk=0", "[1, 4096]"),

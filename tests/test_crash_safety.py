@@ -97,7 +97,9 @@ def test_workers_killed_during_saves_restart_on_every_node_and_end_bitwise_equal
     for output in outputs:  # every node resumed, not only the one whose worker died
         assert "Automatic restart (restart " in output, output[-6000:]
     decisions = re.findall(r"Resuming from \S+, the newest complete|No complete checkpoint in", outputs[0])
-    assert len(decisions) == 2, decisions  # rank 0 chose a checkpoint once per restart
+    # Rank 0 chose once per new round: at least once per kill (a node whose workers lost their
+    # peers may fail too and start one more round).
+    assert len(decisions) >= 2, decisions
     assert losses(tmp_path) == losses(uninterrupted)
     assert (tmp_path / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
     assert all(incomplete_reason(folder) is None for _, folder in checkpoints(tmp_path))

@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import save_file
 from support.fake_hub import FakeHub
 
+pytestmark = pytest.mark.unit
+
 TOKEN = "hf_test_secret"
 
 # Runs in the child: `ARGS` holds the JSON passed on the command line, `emit` reports back to the test.
@@ -26,8 +28,6 @@ import json, sys
 from pathlib import Path
 from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import HfHubHTTPError
-
-pytestmark = pytest.mark.unit
 ARGS = json.loads(sys.argv[1])
 def emit(**values):
     print(json.dumps(values))

@@ -126,6 +126,8 @@ def test_refused_push_gives_a_clear_error_and_keeps_local_files_whole(runs):
     output = proc.stdout + proc.stderr
     assert "The Hub at" in output and "403" in output and "no write access" in output
     assert "Nothing local was lost" in output and "holds the final model and the complete checkpoint" in output
+    # The checkpoint pushes during training failed too: said, not swallowed, and training went on.
+    assert "Pushing a checkpoint to the Hub at" in output and "Training goes on" in output
     assert runs["vit_files"] == {}
     assert (local / "model.safetensors").exists() and (local / "README.md").exists()
     assert (local / "checkpoint-8" / "trainer_state.json").exists()

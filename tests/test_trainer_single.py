@@ -22,6 +22,7 @@ def tok():
     return tokenizer()
 
 
+@pytest.mark.lowest
 def test_optim_flexdemo_parses_from_the_command_line():
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
         [
@@ -39,6 +40,7 @@ def test_optim_flexdemo_parses_from_the_command_line():
     assert (kwargs["scheme"], kwargs["rate"], kwargs["lr"]) == ("random", 1 / 64, 2e-4)
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize(
     "optim_args,message",
     [
@@ -56,6 +58,7 @@ def test_bad_optim_args_fail_when_the_trainer_is_built(tok, tmp_path, optim_args
     assert message in str(err.value)
 
 
+@pytest.mark.lowest
 def test_flexdemo_settings_with_another_optimizer_are_refused(tok, tmp_path):
     args = TrainingArguments(
         str(tmp_path), optim="adamw_torch", optim_args="topk=32,scheme=demo", use_cpu=True, report_to="none"
@@ -76,6 +79,7 @@ def flexdemo_llama_trainer(tok, tmp_path, rows: int, **overrides) -> Trainer:
     )
 
 
+@pytest.mark.lowest
 def test_single_process_trainer_trains_with_flexdemo(tok, tmp_path):
     trainer = flexdemo_llama_trainer(tok, tmp_path, rows=64, max_steps=12, logging_steps=1, save_strategy="no")
     trainer.train()
@@ -120,6 +124,7 @@ def test_t5_family_is_marked_as_averaging_its_own_loss(tok):
     assert not mark_mean_loss_model(llama) and not hasattr(llama, "accepts_loss_kwargs")
 
 
+@pytest.mark.lowest
 @pytest.mark.multiprocess
 def test_launcher_runs_an_unmodified_trainer_script(tmp_path):
     """accelerate launch -m hf_flexdemo.run <script>: the script never imports hf_flexdemo."""

@@ -148,6 +148,7 @@ def train_and_report(trainer: Trainer, headline: Sequence[str], derived=None) ->
     try:
         with storage_errors(args.output_dir), hub_errors(args):  # checkpoint pushes fail at the end of train()
             trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+            report_failed_pushes(trainer)
             metrics = trainer.evaluate(metric_key_prefix="eval")
             if derived:
                 extra = derived(metrics)
@@ -214,6 +215,7 @@ class ScriptTrainerMixin:
     card_info: dict[str, Any] = {}
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        report_failed_pushes(self)  # before the Trainer replaces the finished push with the next one
         super().save_model(output_dir, _internal_call)
         if _internal_call and saves_sharded(self):
             pushed = self.args.push_to_hub and str(getattr(self.args.hub_strategy, "value", "")) != "end"
@@ -304,6 +306,21 @@ def local_files(output_dir: str) -> str:
     if newest is not None:
         held.append(f"the complete checkpoint {newest.name}")
     return f"{root} holds {' and '.join(held)}" if held else f"nothing had been trained into {root} yet"
+
+
+def report_failed_pushes(trainer: Trainer) -> None:
+    """Warn about checkpoint pushes that failed in the background (the Trainer never looks at them)."""
+    push = getattr(trainer, "push_in_progress", None)
+    for job in list(push.jobs) if push is not None else []:
+        if job.done() and not job.cancelled() and job.exception() is not None and not getattr(job, "reported", False):
+            job.reported = True
+            logger.warning(
+                "Pushing a checkpoint to the Hub at %s failed: %s: %s. Training goes on; the local checkpoints "
+                "are whole, and the push at the end uploads the final model.",
+                constants.ENDPOINT,
+                type(job.exception()).__name__,
+                job.exception(),
+            )
 
 
 def push_to_hub(trainer: Trainer) -> None:

@@ -85,7 +85,8 @@ def _ensure_layout(accelerator: Accelerator) -> ParallelismConfig:
     """The accelerator's parallelism config; FlexDeMo's default hybrid one when there is none."""
     config = accelerator.parallelism_config
     if config is not None and config.total_size > 1 and (config.dp_replicate_enabled or config.dp_shard_enabled):
-        if config.tp_enabled or config.cp_enabled or config.sp_enabled:
+        # sp_enabled exists from accelerate 1.11 on (sequence parallelism); absent means off.
+        if config.tp_enabled or config.cp_enabled or getattr(config, "sp_enabled", False):
             raise ValueError(
                 "FlexDeMo supports data parallelism only (dp_replicate x dp_shard); the parallelism_config "
                 f"also sets tp/cp/sp: {config}."

@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import types
 from typing import Any
 
 import transformers.trainer
@@ -146,6 +147,29 @@ def _card_hyperparameters(original, trainer) -> dict[str, Any]:
     return hyperparameters
 
 
+def _register_handler(member: enum.Enum) -> None:
+    """Tell the Trainer how to build FlexDeMo for ``optim="flexdemo"`` (no public registry exists).
+
+    transformers >= 5 looks the name up in ``trainer_optimizer._OPTIMIZER_HANDLERS``;
+    4.x (4.56, 4.57) has one static ``Trainer.get_optimizer_cls_and_kwargs`` instead, wrapped here.
+    """
+    try:
+        from transformers import trainer_optimizer
+    except ImportError:  # transformers 4.x
+        original = transformers.Trainer.get_optimizer_cls_and_kwargs
+
+        def get_optimizer_cls_and_kwargs(args, model=None):
+            if is_flexdemo(args):
+                return _flexdemo_handler(types.SimpleNamespace(args=args, model=model))
+            return original(args, model)
+
+        transformers.Trainer.get_optimizer_cls_and_kwargs = staticmethod(
+            functools.wraps(original)(get_optimizer_cls_and_kwargs)
+        )
+        return
+    trainer_optimizer._OPTIMIZER_HANDLERS[member] = _flexdemo_handler
+
+
 _INSTALLED = False
 
 
@@ -154,10 +178,10 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    from transformers import modelcard, trainer_optimizer
+    from transformers import modelcard
 
     member = _add_enum_member(OptimizerNames, OPTIM_NAME.upper(), OPTIM_NAME)
-    trainer_optimizer._OPTIMIZER_HANDLERS[member] = _flexdemo_handler
+    _register_handler(member)
     # The model card's optimizer line would otherwise describe Adam's betas.
     original = modelcard.extract_hyperparameters_from_trainer
     modelcard.extract_hyperparameters_from_trainer = functools.wraps(original)(

@@ -72,7 +72,9 @@ def main() -> None:
     spy = CommSpy(processes_per_node=runs.processes_per_node)
     for item in runs.runs.split(","):
         model_kind, optim = item.split(":")
-        args = dataclasses.replace(base, optim=optim, output_dir=str(Path(base.output_dir) / f"{model_kind}_{optim}"))
+        out = str(Path(base.output_dir) / f"{model_kind}_{optim}")
+        optim_args = base.optim_args if optim == "flexdemo" else None  # FlexDeMo's keys are refused for others
+        args = dataclasses.replace(base, optim=optim, optim_args=optim_args, output_dir=out)
         run_one(model_kind, optim, args, tok, spy, base.resume_from_checkpoint)
 
 

@@ -1,0 +1,61 @@
+"""The other libraries' symbols hf_flexdemo relies on, checked by name.
+
+No public registry exists for a Trainer optimizer name, for Accelerate's FSDP2 preparation or
+for the model card's optimizer line, so the integrations wrap these symbols. A release that
+moves one fails here, by name, before any training test does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import accelerate
+import pytest
+import transformers
+
+pytestmark = [pytest.mark.unit, pytest.mark.lowest]
+
+MAJOR = int(transformers.__version__.split(".")[0])
+
+
+@pytest.mark.parametrize(
+    "module,name",
+    [
+        ("transformers.training_args", "OptimizerNames"),
+        ("transformers.modelcard", "extract_hyperparameters_from_trainer"),
+        ("transformers.trainer", "DEFAULT_CALLBACKS"),
+        ("transformers.trainer_utils", "PREFIX_CHECKPOINT_DIR"),
+        ("accelerate.state", "PartialState"),
+        ("accelerate.state", "AcceleratorState"),
+        ("accelerate.parallelism_config", "ParallelismConfig"),
+        ("accelerate.utils.fsdp_utils", "fsdp2_prepare_auto_wrap_policy"),
+    ],
+)
+def test_the_symbols_we_wrap_exist(module, name):
+    assert hasattr(importlib.import_module(module), name), f"{module}.{name} moved ({transformers.__version__})"
+
+
+def test_the_optimizer_table_is_where_this_major_version_keeps_it():
+    if MAJOR >= 5:
+        from transformers import trainer_optimizer
+
+        assert isinstance(trainer_optimizer._OPTIMIZER_HANDLERS, dict)
+    else:
+        assert isinstance(inspect.getattr_static(transformers.Trainer, "get_optimizer_cls_and_kwargs"), staticmethod)
+
+
+def test_the_checkpoint_folder_name_is_the_one_the_marker_logic_parses():
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    from hf_flexdemo.integrations.checkpoints import CHECKPOINT_NAME
+
+    assert CHECKPOINT_NAME.match(f"{PREFIX_CHECKPOINT_DIR}-12")
+
+
+def test_the_layout_properties_we_read_exist():
+    from accelerate.parallelism_config import ParallelismConfig
+
+    for name in ("fsdp_dim_names", "dp_replicate_enabled", "dp_shard_enabled", "tp_enabled", "cp_enabled"):
+        assert hasattr(ParallelismConfig, name), f"ParallelismConfig.{name} moved (accelerate {accelerate.__version__})"
+    assert "best_global_step" in inspect.signature(transformers.TrainerState).parameters
