@@ -28,36 +28,32 @@ from hf_flexdemo.compression import (
 )
 
 
-def median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int, sync=lambda: None) -> float:
+    """Median wall time of ``fn`` in ms; ``sync`` waits for the device (``torch.cuda.synchronize``)."""
     fn()  # warm-up: allocations and cached DCT matrices
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", type=int, default=2, help="processes per node (FSDP shards)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--chunk", type=int, default=64)
-    parser.add_argument("--topk", type=int, default=32)
-    args = parser.parse_args()
-
-    shapes = [[-(-s[0] // args.shards), *s[1:]] for s in t5_small_shapes()]
-    grads = [torch.randn(s) for s in shapes]
-    plans = [ChunkPlan.for_shape(s, args.chunk, args.topk) for s in shapes]
+def phase_functions(grads: list[torch.Tensor], chunk: int, topk: int) -> dict:
+    """DeMo's update, phase by phase, over ``grads`` (one process's shards), two replicas decoded."""
+    shapes = [g.shape for g in grads]
+    plans = [ChunkPlan.for_shape(s, chunk, topk) for s in shapes]
     coefficients = [to_coefficients(g, p) for g, p in zip(grads, plans)]
     parts = [select_topk(q, p) for q, p in zip(coefficients, plans)]
     decoded = [decode_replicas([part, part], p, "selected", torch.float32) for part, p in zip(parts, plans)]
 
     def signed_update():
         for g, d in zip(grads, decoded):
-            g.view(d.shape).sub_(torch.sign(d), alpha=1e-9)
+            g.view(d.shape).sub_(torch.sign(d).to(g.dtype), alpha=1e-9)
 
-    phases = {
+    return {
         "DCT of the gradient": lambda: [to_coefficients(g, p) for g, p in zip(grads, plans)],
         "top-k per tile": lambda: [select_topk(q, p) for q, p in zip(coefficients, plans)],
         "error feedback": lambda: [
@@ -70,6 +66,19 @@ def main() -> None:
         "inverse DCT": lambda: [from_coefficients(d, p) for d, p in zip(decoded, plans)],
         "sign and update": signed_update,
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", type=int, default=2, help="processes per node (FSDP shards)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--topk", type=int, default=32)
+    args = parser.parse_args()
+
+    shapes = [[-(-s[0] // args.shards), *s[1:]] for s in t5_small_shapes()]
+    grads = [torch.randn(s) for s in shapes]
+    phases = phase_functions(grads, args.chunk, args.topk)
     total = 0.0
     for name, fn in phases.items():
         ms = median_ms(fn, args.repeats)

@@ -159,13 +159,6 @@ def select_topk(coefficients: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tens
     return indices, values
 
 
-def sparse_to_matrix(indices: torch.Tensor, values: torch.Tensor, plan: ChunkPlan, dtype: torch.dtype) -> torch.Tensor:
-    """A dense ``(rows, cols)`` coefficient matrix holding one replica's sparse part."""
-    dense = torch.zeros(plan.rows * plan.cols, dtype=dtype, device=values.device)
-    dense[flat_positions(indices, plan)] = values.reshape(-1).to(dtype)
-    return dense.view(plan.rows, plan.cols)
-
-
 def decode_replicas(
     parts: Sequence[tuple[torch.Tensor, torch.Tensor]], plan: ChunkPlan, mode: str, dtype: torch.dtype
 ) -> torch.Tensor:

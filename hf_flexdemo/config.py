@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from .compression import DECODE_MODES
+
 SCHEMES = ("demo", "random", "striding", "diloco", "full", "none")
-DECODE_MODES = ("selected", "mean")
 VALUE_DTYPES: dict[str, torch.dtype | None] = {
     "param": None,
     "bf16": torch.bfloat16,

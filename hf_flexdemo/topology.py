@@ -100,7 +100,7 @@ def replica_fingerprints(tensors: Iterable[torch.Tensor], topology: ReplicaTopol
     local = parameter_fingerprint(tensors)
     if not topology.is_replicated:
         return [int(local)]
-    device = _collective_device(topology.group)
+    device = collective_device(topology.group)
     gathered = torch.empty(topology.size, dtype=torch.int64, device=device)
     all_gather_single(gathered, local.to(device).reshape(1), group=topology.group)
     return [int(x) for x in gathered.cpu()]
@@ -115,7 +115,7 @@ def broadcast_from_first_replica(tensors: Iterable[torch.Tensor], topology: Repl
         dist.broadcast(local_tensor(t).data, src=src, group=topology.group)
 
 
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     backend = dist.get_backend(group)
     if "nccl" in str(backend) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

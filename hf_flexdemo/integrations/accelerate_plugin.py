@@ -37,12 +37,20 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
-from ..optim import FlexDeMo
+from ..optim import FlexDeMo, unwrap_flexdemo
 from ._patching import wrap_method
 
 logger = logging.getLogger(__name__)
 
 REPLICATE_DIM = "dp_replicate"
+
+
+def fp16_refusal(setting: str, instead: str) -> str:
+    """The one message for FlexDeMo with fp16 (Accelerate's mixed_precision or the Trainer's flag)."""
+    return (
+        f"FlexDeMo with {setting} is refused: the loss scaler skips steps per process, and replicas that "
+        f"skip differently fall out of step. Use {instead}."
+    )
 
 
 class _ShardOnlyLayout(ParallelismConfig):
@@ -55,11 +63,7 @@ class _ShardOnlyLayout(ParallelismConfig):
 
 def find_flexdemo(objects) -> FlexDeMo | None:
     """The FlexDeMo optimizer among ``objects`` (unwrapping Accelerate's optimizer wrapper)."""
-    for obj in objects:
-        inner = getattr(obj, "optimizer", obj)
-        if isinstance(inner, FlexDeMo):
-            return inner
-    return None
+    return next((found for found in map(unwrap_flexdemo, objects) if found is not None), None)
 
 
 @contextlib.contextmanager
@@ -190,10 +194,7 @@ def _prepare_flexdemo_aware(original, self: Accelerator, *args, **kwargs):
             f"with {self.num_processes} processes, which would all-reduce every gradient densely.{hint}"
         )
     if self.mixed_precision == "fp16":
-        raise ValueError(
-            "FlexDeMo with mixed_precision='fp16' is refused: the loss scaler skips steps per process, and "
-            "replicas that skip differently fall out of step. Use mixed_precision='bf16'."
-        )
+        raise ValueError(fp16_refusal("mixed_precision='fp16'", "mixed_precision='bf16'"))
     config = _ensure_layout(self)
     with _shard_only(config):
         result = original(self, *args, **kwargs)

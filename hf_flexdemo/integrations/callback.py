@@ -28,18 +28,15 @@ import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..config import OWN_KEYS
-from ..optim import FlexDeMo
+from ..optim import FlexDeMo, unwrap_flexdemo
+from ..topology import collective_device
+from .accelerate_plugin import fp16_refusal
 
 logger = logging.getLogger(__name__)
 
 
 class ReplicaDriftError(RuntimeError):
     """Replicas that should be identical hold different parameters."""
-
-
-def unwrap_flexdemo(optimizer) -> FlexDeMo | None:
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return inner if isinstance(inner, FlexDeMo) else None
 
 
 def refuse_flexdemo_args_for_other_optimizers(args: TrainingArguments) -> None:
@@ -84,10 +81,7 @@ class FlexDeMoCallback(TrainerCallback):
             return
         flexdemo_kwargs(args)  # bad optim_args fail here, before any data is loaded
         if args.fp16:
-            raise ValueError(
-                "FlexDeMo with fp16=True is refused: the loss scaler skips steps per process, and replicas that "
-                "skip differently fall out of step. Use bf16=True."
-            )
+            raise ValueError(fp16_refusal("fp16=True", "bf16=True"))
 
     def on_train_begin(self, args, state, control, optimizer=None, **kw):
         self._optimizer = unwrap_flexdemo(optimizer)
@@ -173,8 +167,7 @@ class FlexDeMoCallback(TrainerCallback):
         stats = self._optimizer.total_stats
         totals = torch.tensor([stats.bytes_sent, stats.bytes_received, stats.dense_bytes], dtype=torch.float64)
         if self._node_group is not None:
-            device = "cuda" if "nccl" in str(dist.get_backend(self._node_group)) else "cpu"
-            totals = totals.to(device)
+            totals = totals.to(collective_device(self._node_group))
             dist.all_reduce(totals, group=self._node_group)
         return totals.cpu()
 

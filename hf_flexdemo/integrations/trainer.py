@@ -151,7 +151,7 @@ def _register_handler(member: enum.Enum) -> None:
     """Tell the Trainer how to build FlexDeMo for ``optim="flexdemo"`` (no public registry exists).
 
     transformers >= 5 looks the name up in ``trainer_optimizer._OPTIMIZER_HANDLERS``;
-    4.x (4.56, 4.57) has one static ``Trainer.get_optimizer_cls_and_kwargs`` instead, wrapped here.
+    4.x (4.57) has one static ``Trainer.get_optimizer_cls_and_kwargs`` instead, wrapped here.
     """
     try:
         from transformers import trainer_optimizer

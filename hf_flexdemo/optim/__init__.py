@@ -1,5 +1,5 @@
 """The FlexDeMo optimizer."""
 
-from .flexdemo import FlexDeMo
+from .flexdemo import FlexDeMo, unwrap_flexdemo
 
 __all__ = ["FlexDeMo"]

@@ -125,6 +125,8 @@ class FlexDeMo(torch.optim.Optimizer):
         self._store: StateStore | None = None
         self.last_step_stats = CommStats()
         self._pending: _InFlight | None = None  # overlap: the last step's exchange
+        self._verify_state = True  # check saved state against this layout at the next step (costs host syncs)
+        self._uncounted: dict[torch.Tensor, list[int]] = {}  # bytes per parameter not yet added to the state
         if mesh is not None:
             self.attach(mesh, replicate_dim)
 
@@ -219,6 +221,10 @@ class FlexDeMo(torch.optim.Optimizer):
         if not sync_only:
             for slot in slots:
                 self.scheme.init_state(slot)
+                if self._verify_state:
+                    self.scheme.check_state(slot)
+            self._verify_state = False
+            for slot in slots:
                 wd = slot.group["weight_decay"]
                 if wd:
                     slot.param.mul_(1 - slot.group["lr"] * wd)
@@ -326,18 +332,28 @@ class FlexDeMo(torch.optim.Optimizer):
     # -- counters ----------------------------------------------------------------------
 
     def _count(self, job: _InFlight, stats: CommStats) -> None:
+        """Add the step's bytes on the host; they reach the state tensors at the next read or save."""
         dense = 0
         for slot, payload, seen in zip(job.slots, job.payloads, job.grad_bytes):
-            counters = slot.state.counters(COUNTERS, 2)
+            slot.state.counters(COUNTERS, 2)  # created with the rest of the state, for checkpoints
             sent = sum(nbytes(t) for t in payload) if job.ctx.replicate else 0
-            counters += torch.tensor([sent, seen], dtype=torch.int64, device=counters.device)
+            pending = self._uncounted.setdefault(slot.state.param, [0, 0])
+            pending[0] += sent
+            pending[1] += seen
             dense += seen
         stats.dense_bytes = ring_all_reduce_bytes(dense, self.topology.size)
         self.last_step_stats = stats
 
+    def _flush_counters(self) -> None:
+        for param, (sent, seen) in self._uncounted.items():
+            counters = self.state[param][COUNTERS]
+            local_tensor(counters).add_(torch.tensor([sent, seen], dtype=torch.int64).to(counters.device))
+        self._uncounted.clear()
+
     @property
     def total_stats(self) -> CommStats:
         """Cumulative inter-node bytes of this process (restored with the optimizer state)."""
+        self._flush_counters()
         payload = seen = 0
         for group in self.param_groups:
             for p in group["params"]:
@@ -375,10 +391,13 @@ class FlexDeMo(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self.flush()  # a pending overlap exchange belongs to the state being saved
+        self._flush_counters()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = None  # an exchange started before loading refers to the replaced state
+        self._uncounted.clear()  # so do bytes not yet added to it
+        self._verify_state = True
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype; 16-bit parameters keep float32 moments.
         by_id = {}
@@ -392,3 +411,9 @@ class FlexDeMo(torch.optim.Optimizer):
                 current = self.state[p].get(key)
                 if torch.is_tensor(value) and torch.is_tensor(current) and value.dtype != current.dtype:
                     self.state[p][key] = value.to(device=current.device, copy=True)
+
+
+def unwrap_flexdemo(optimizer) -> FlexDeMo | None:
+    """The FlexDeMo behind ``optimizer`` (Accelerate's wrapper keeps it as ``.optimizer``), or None."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if isinstance(inner, FlexDeMo) else None

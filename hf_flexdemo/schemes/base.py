@@ -81,8 +81,12 @@ class ReplicationScheme(ABC):
         """Create every state entry the scheme will ever use (called each step, before weight decay).
 
         Distributed checkpoints load into the state that one zero-gradient step creates, so
-        an entry created later would be dropped silently on resume.
+        an entry created later would be dropped silently on resume. Runs every step: no host
+        synchronisation here (checks that read state values belong in :meth:`check_state`).
         """
+
+    def check_state(self, slot: ParamSlot) -> None:
+        """Check existing state against this run's layout: at the first step and after a load only."""
 
     @abstractmethod
     def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:

@@ -36,11 +36,15 @@ class DeMoScheme(MomentumScheme):
 
     def init_state(self, slot: ParamSlot) -> None:
         super().init_state(slot)
+        if TILE_STATE not in slot.state.raw:
+            plan = self.plan(slot)
+            tiles = slot.state.counters(TILE_STATE, 2)
+            tiles.copy_(torch.tensor([plan.tile_rows, plan.tile_cols]))
+
+    def check_state(self, slot: ParamSlot) -> None:
         plan = self.plan(slot)
         tiles = slot.state.counters(TILE_STATE, 2)
-        if not tiles.any():
-            tiles.copy_(torch.tensor([plan.tile_rows, plan.tile_cols]))
-        elif tiles.tolist() != [plan.tile_rows, plan.tile_cols]:
+        if tiles.tolist() != [plan.tile_rows, plan.tile_cols]:
             raise RuntimeError(
                 f"FlexDeMo: the momentum of a parameter of local shape {tuple(slot.param.shape)} was saved with "
                 f"DCT tiles {tuple(tiles.tolist())}, but this layout gives {(plan.tile_rows, plan.tile_cols)}. "

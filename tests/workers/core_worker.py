@@ -134,12 +134,14 @@ def check_oracle(mesh, coords) -> dict:
         err = max((local_tensor(p) - q).abs().max().item() if q.numel() else 0.0 for p, q in zip(params, mine))
         scale = max(q.abs().max().item() if q.numel() else 0.0 for q in mine)
         result = {"max_abs_err": err, "scale": scale}
-        if hp["scheme"] in ("demo", "random", "striding"):
-            moms = ref.momenta[coords[0]]
-            result["momentum_err"] = max(
-                (spatial_momentum(opt, p, hp) - q).abs().max().item() if q.numel() else 0.0
-                for p, q in zip(params, moms)
-            )
+        # The optimizer's state against the reference's, for every scheme: what it keeps per replica.
+        if hp["scheme"] == "diloco":
+            ours = [StateStore.local(opt.state[p]["exp_avg"], local_tensor(p)) for p in params]
+            ours += [StateStore.local(opt.state[p]["anchor"], local_tensor(p)) for p in params]
+            theirs = [m1 for m1, _ in ref.adam[coords[0]]] + list(ref.anchor)
+        else:
+            ours, theirs = [spatial_momentum(opt, p, hp) for p in params], ref.momenta[coords[0]]
+        result["state_err"] = max((a - b).abs().max().item() if b.numel() else 0.0 for a, b in zip(ours, theirs))
         out[name] = result
     return out
 

@@ -18,7 +18,7 @@ from support.tiny_hf import dataset, tiny_model, tokenizer
 from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator, set_seed
 
 import hf_flexdemo  # noqa: F401  (registers optim="flexdemo" and the Accelerate plugin)
-from hf_flexdemo.integrations.callback import unwrap_flexdemo
+from hf_flexdemo.optim import unwrap_flexdemo
 from hf_flexdemo.topology import ReplicaTopology, replica_fingerprints
 
 
