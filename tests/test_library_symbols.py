@@ -30,6 +30,7 @@ MAJOR = int(transformers.__version__.split(".")[0])
         ("accelerate.state", "AcceleratorState"),
         ("accelerate.parallelism_config", "ParallelismConfig"),
         ("accelerate.utils.fsdp_utils", "fsdp2_prepare_auto_wrap_policy"),
+        ("accelerate.utils", "FullyShardedDataParallelPlugin"),
     ],
 )
 def test_the_symbols_we_wrap_exist(module, name):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -138,22 +140,40 @@ def test_launcher_runs_an_unmodified_trainer_script(tmp_path):
     assert all("flexdemo/bytes_sent" in h for h in report["log_history"] if "loss" in h)
 
 
-def test_flexdemo_under_fsdp1_or_ddp_is_refused_with_what_to_write_instead():
-    """The GPU path of the plugin's refusal (on CPU FSDP1 is refused earlier, at Accelerator creation)."""
+def fake_state(**overrides):
+    """An AcceleratorState-like object: a valid FSDP2 2 x 2 layout unless overridden."""
     from types import SimpleNamespace
 
-    from hf_flexdemo.integrations.accelerate_plugin import _prepare_flexdemo_aware
+    from accelerate.utils import DistributedType
 
-    model = torch.nn.Linear(4, 4)
-    opt = hf_flexdemo.FlexDeMo(model.parameters())
-    fsdp1 = SimpleNamespace(
-        num_processes=16, is_fsdp2=False, distributed_type="FSDP", state=SimpleNamespace(fsdp_plugin=object())
+    plugin = SimpleNamespace(fsdp_version=2, sharding_strategy=None)
+    layout = SimpleNamespace(total_size=4, dp_replicate_size=2, dp_shard_size=2)
+    base = dict(
+        num_processes=4,
+        distributed_type=DistributedType.FSDP,
+        fsdp_plugin=plugin,
+        mixed_precision="no",
+        parallelism_config=layout,
     )
-    with pytest.raises(ValueError, match="FSDP version 1 is not supported: set `fsdp_config: {fsdp_version: 2}`"):
-        _prepare_flexdemo_aware(lambda *a, **k: pytest.fail("must not prepare"), fsdp1, model, opt)
-    ddp = SimpleNamespace(num_processes=16, is_fsdp2=False, distributed_type="MULTI_GPU", state=SimpleNamespace())
-    with pytest.raises(ValueError, match="would all-reduce every gradient densely"):
-        _prepare_flexdemo_aware(lambda *a, **k: pytest.fail("must not prepare"), ddp, model, opt)
+    return SimpleNamespace(**{**base, **overrides})
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(fsdp_plugin=SimpleNamespace(fsdp_version=1)), "FSDP version 1 is not supported: set `fsdp_config"),
+        (dict(distributed_type="MULTI_GPU", fsdp_plugin=None), "would all-reduce every gradient densely"),
+        (dict(fsdp_plugin=SimpleNamespace(fsdp_version=2, sharding_strategy="NO_SHARD")), "NO_SHARD is an FSDP1"),
+        (dict(mixed_precision="fp16"), "mixed_precision='fp16' is refused"),
+        (dict(num_processes=2), "dp_shard 2 = 4 processes, but this launch started 2"),
+    ],
+)
+def test_layouts_flexdemo_cannot_train_are_refused_with_what_to_write_instead(overrides, message):
+    from hf_flexdemo.integrations.accelerate_plugin import check_flexdemo_layout
+
+    check_flexdemo_layout(fake_state())  # the valid layout passes
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_flexdemo_layout(fake_state(**overrides))
 
 
 def test_launcher_without_a_script_prints_usage():
@@ -167,6 +187,7 @@ def test_launcher_without_a_script_prints_usage():
     [
         ("ddp", "FlexDeMo needs FSDP2 inside each node"),
         ("fsdp1", "FSDP version 1 is refused on CPU"),
+        ("fsdp1_sync_module_states", "FSDP version 1 is refused on CPU"),
     ],
 )
 def test_layouts_that_would_train_unsynchronized_are_refused(tmp_path, case, message):

@@ -1,8 +1,11 @@
 """The Accelerate plugin: FSDP2 inside a node, FlexDeMo between nodes.
 
-Accelerate has no extension point for the jobs below, so :func:`install` wraps three of
+Accelerate has no extension point for the jobs below, so :func:`install` wraps four of
 its methods (idempotently, once per process; ``import hf_flexdemo`` calls it):
 
+- ``FullyShardedDataParallelPlugin.__post_init__``: FSDP1 in a distributed job without an
+  accelerator is refused before Accelerate's own set-up (which speaks of missing devices,
+  or trains unsynchronized copies with HYBRID_SHARD).
 - ``PartialState.__init__``: ``accelerate launch`` does not pass a config's ``use_cpu`` to
   multi-process jobs, so on a machine without a GPU each process of a distributed launch
   would believe it trains alone (N silent unsynchronized copies). A distributed launch
@@ -20,6 +23,10 @@ its methods (idempotently, once per process; ``import hf_flexdemo`` calls it):
   embedding twice when its block is auto-wrapped already (ViT); and flags the model as
   FSDP-managed so that ``generate`` keeps all ranks stepping together.
 
+:func:`check_flexdemo_layout` refuses every multi-process layout FlexDeMo cannot train
+(DDP, FSDP1, FSDP2 with an FSDP1 sharding strategy, fp16, a parallelism config that does not
+match the launch); the Trainer runs it at construction, before any data is loaded.
+
 Layout: ``parallelism_config`` in the Accelerate YAML sets it; without one, FlexDeMo uses
 nodes x processes-per-node (``WORLD_SIZE / LOCAL_WORLD_SIZE`` x ``LOCAL_WORLD_SIZE``).
 """
@@ -34,8 +41,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+from torch.distributed.device_mesh import init_device_mesh
 
 from ..optim import FlexDeMo, unwrap_flexdemo
 from ._patching import wrap_method
@@ -98,6 +106,13 @@ def _ensure_layout(accelerator: Accelerator) -> ParallelismConfig:
         return config
     nodes, per_node = default_layout()
     config = ParallelismConfig(dp_replicate_size=nodes, dp_shard_size=per_node)
+    if per_node == 1:
+        # One process per node (DeMo's one-GPU-per-node setting): Accelerate leaves a size-1 shard
+        # dimension out of its mesh, but FSDP2 needs one to wrap the model. FSDP2 over a single
+        # process shards nothing; FlexDeMo replicates over the nodes as in any other layout.
+        config.device_mesh = init_device_mesh(
+            accelerator.device.type, (nodes, 1), mesh_dim_names=(REPLICATE_DIM, "dp_shard_cp")
+        )
     accelerator.state.parallelism_config = config
     accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
     logger.info("FlexDeMo: no parallelism_config given; using %d nodes x %d processes per node.", nodes, per_node)
@@ -180,21 +195,7 @@ def _prepare_flexdemo_aware(original, self: Accelerator, *args, **kwargs):
     if self.num_processes == 1:
         flexdemo.attach(None)
         return original(self, *args, **kwargs)
-    if not self.is_fsdp2:
-        plugin = getattr(self.state, "fsdp_plugin", None)
-        hint = (
-            " FSDP version 1 is not supported: set `fsdp_config: {fsdp_version: 2}` and give the hybrid layout as "
-            "`parallelism_config: {parallelism_config_dp_replicate_size: <nodes>, "
-            "parallelism_config_dp_shard_size: <processes per node>}` instead of fsdp_sharding_strategy."
-            if plugin is not None
-            else " Use an Accelerate config with `distributed_type: FSDP` and `fsdp_config: {fsdp_version: 2}`."
-        )
-        raise ValueError(
-            f"FlexDeMo needs FSDP2 inside each node, but Accelerate runs {self.distributed_type} "
-            f"with {self.num_processes} processes, which would all-reduce every gradient densely.{hint}"
-        )
-    if self.mixed_precision == "fp16":
-        raise ValueError(fp16_refusal("mixed_precision='fp16'", "mixed_precision='bf16'"))
+    check_flexdemo_layout(self.state)
     config = _ensure_layout(self)
     with _shard_only(config):
         result = original(self, *args, **kwargs)
@@ -211,6 +212,48 @@ def _prepare_flexdemo_aware(original, self: Accelerator, *args, **kwargs):
     return result
 
 
+def check_flexdemo_layout(state: AcceleratorState) -> None:
+    """Refuse, with the setting to write, every multi-process layout FlexDeMo cannot train correctly.
+
+    Run at ``Trainer(...)`` (before any data is loaded) and again at ``accelerator.prepare``.
+    """
+    if state.num_processes == 1:
+        return
+    plugin = getattr(state, "fsdp_plugin", None)
+    if state.distributed_type != DistributedType.FSDP or plugin is None or plugin.fsdp_version != 2:
+        hint = (
+            " FSDP version 1 is not supported: set `fsdp_config: {fsdp_version: 2}` and give the hybrid layout as "
+            "`parallelism_config: {parallelism_config_dp_replicate_size: <nodes>, "
+            "parallelism_config_dp_shard_size: <processes per node>}` instead of fsdp_sharding_strategy."
+            if plugin is not None
+            else " Use an Accelerate config with `distributed_type: FSDP` and `fsdp_config: {fsdp_version: 2}` "
+            "(with one process per node, leave `parallelism_config` out)."
+        )
+        raise ValueError(
+            f"FlexDeMo needs FSDP2 inside each node, but Accelerate runs {state.distributed_type} "
+            f"with {state.num_processes} processes, which would all-reduce every gradient densely.{hint}"
+        )
+    strategy = getattr(plugin.sharding_strategy, "name", plugin.sharding_strategy)
+    if strategy not in (None, "FULL_SHARD"):
+        raise ValueError(
+            f"fsdp_sharding_strategy={strategy} is an FSDP1 setting that FSDP2 ignores: FlexDeMo would train the "
+            "usual sharded layout instead. Remove it; FSDP2 shards over the processes of a node "
+            "(`parallelism_config_dp_shard_size`), and `fsdp_reshard_after_forward: false` keeps the gathered "
+            "parameters between forward and backward."
+        )
+    if state.mixed_precision == "fp16":
+        raise ValueError(fp16_refusal("mixed_precision='fp16'", "mixed_precision='bf16'"))
+    config = getattr(state, "parallelism_config", None)
+    if config is not None and config.total_size not in (1, state.num_processes):
+        raise ValueError(
+            f"parallelism_config asks for dp_replicate {config.dp_replicate_size} x dp_shard {config.dp_shard_size}"
+            f" = {config.total_size} processes, but this launch started {state.num_processes} "
+            f"({os.environ.get('LOCAL_WORLD_SIZE', '?')} per machine). `--num_processes` counts the processes of all "
+            f"machines: write --num_processes {config.total_size} --num_machines {config.dp_replicate_size}, or "
+            "change the parallelism sizes."
+        )
+
+
 def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("LOCAL_RANK", "-1")) != -1
 
@@ -221,18 +264,25 @@ def _cpu_without_accelerator(original, self: PartialState, cpu: bool = False, **
     original(self, cpu, **kwargs)
 
 
-def _keep_fsdp_on_cpu(original, self: AcceleratorState, *args, **kwargs):
-    original(self, *args, **kwargs)
-    plugin = kwargs.get("fsdp_plugin")
-    if plugin is None or self.distributed_type != DistributedType.MULTI_CPU:
-        return
-    if plugin.fsdp_version != 2:
+def _refuse_fsdp1_on_cpu(original, self: FullyShardedDataParallelPlugin, *args, **kwargs):
+    # Before Accelerate's own set-up, which fails on CPU with a message about devices
+    # (`fsdp_sync_module_states`) or goes on to train unsynchronized copies (HYBRID_SHARD).
+    version = self.fsdp_version or int(os.environ.get("FSDP_VERSION", "1"))
+    if version != 2 and launched_distributed() and not torch.accelerator.is_available():
         raise ValueError(
             "FSDP version 1 is refused on CPU: its HYBRID_SHARD falls back to unsynchronized copies there. "
             "Use FSDP2: `fsdp_config: {fsdp_version: 2}` and, for a hybrid layout, "
             "`parallelism_config: {parallelism_config_dp_replicate_size: <nodes>, "
             "parallelism_config_dp_shard_size: <processes per node>}` instead of fsdp_sharding_strategy."
         )
+    original(self, *args, **kwargs)
+
+
+def _keep_fsdp_on_cpu(original, self: AcceleratorState, *args, **kwargs):
+    original(self, *args, **kwargs)
+    plugin = kwargs.get("fsdp_plugin")
+    if plugin is None or self.distributed_type != DistributedType.MULTI_CPU:
+        return
     self.distributed_type = DistributedType.FSDP
     self.fsdp_plugin = plugin
     if self._mixed_precision != "no":
@@ -245,10 +295,11 @@ _INSTALLED = False
 
 
 def install() -> None:
-    """Wrap the three Accelerate methods (idempotent)."""
+    """Wrap the four Accelerate methods (idempotent)."""
     global _INSTALLED
     if not _INSTALLED:
         wrap_method(PartialState, "__init__", _cpu_without_accelerator)
+        wrap_method(FullyShardedDataParallelPlugin, "__post_init__", _refuse_fsdp1_on_cpu)
         wrap_method(AcceleratorState, "__init__", _keep_fsdp_on_cpu)
         wrap_method(Accelerator, "prepare", _prepare)
         _INSTALLED = True

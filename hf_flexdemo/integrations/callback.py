@@ -30,7 +30,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from ..config import OWN_KEYS
 from ..optim import FlexDeMo, unwrap_flexdemo
 from ..topology import collective_device
-from .accelerate_plugin import fp16_refusal
+from .accelerate_plugin import check_flexdemo_layout, fp16_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,10 @@ class FlexDeMoCallback(TrainerCallback):
         flexdemo_kwargs(args)  # bad optim_args fail here, before any data is loaded
         if args.fp16:
             raise ValueError(fp16_refusal("fp16=True", "bf16=True"))
+        from accelerate.state import AcceleratorState
+
+        if AcceleratorState._shared_state:  # the Trainer's accelerator exists: check its layout now
+            check_flexdemo_layout(AcceleratorState())
 
     def on_train_begin(self, args, state, control, optimizer=None, **kw):
         self._optimizer = unwrap_flexdemo(optimizer)

@@ -22,8 +22,10 @@ def main():
             accelerator = Accelerator()
             model = torch.nn.Linear(4, 4)
             accelerator.prepare(model, hf_flexdemo.FlexDeMo(model.parameters()))
-        elif case == "fsdp1":  # FSDP1 on CPU: HYBRID_SHARD would fall back to unsynchronized copies
+        elif case.startswith("fsdp1"):  # FSDP1 on CPU: HYBRID_SHARD would fall back to unsynchronized copies
             os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="1", FSDP_SHARDING_STRATEGY="HYBRID_SHARD")
+            if case == "fsdp1_sync_module_states":  # Accelerate's own check used to speak first, about devices
+                os.environ["FSDP_SYNC_MODULE_STATES"] = "true"
             Accelerator()
     except ValueError as e:
         message = str(e)

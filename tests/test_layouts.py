@@ -1,0 +1,38 @@
+"""Layouts other than 2 x 2: one process per node (DeMo's one-GPU-per-node setting)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+
+import pytest
+from support.accelerate_runs import COMMON, launch_command
+from support.launch import REPO_ROOT, TESTS_DIR, child_env
+
+pytestmark = pytest.mark.multiprocess
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_with_one_process_each_train_flexdemo_in_step(tmp_path):
+    worker = str(TESTS_DIR / "workers" / "trainer_worker.py")
+    port, launchers = str(free_port()), []
+    for machine in (0, 1):
+        node = ["--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port", port]
+        args = [worker, "--runs", "t5:flexdemo", "--processes_per_node", "1", "--output_dir", str(tmp_path), *COMMON]
+        command = launch_command(*node, *args, config="cpu_2machines_1each.yaml")
+        launchers.append(
+            subprocess.Popen(command, env=child_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    outputs = [launcher.communicate(timeout=600)[0] for launcher in launchers]
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    results = [json.loads((tmp_path / "t5_flexdemo" / f"result_rank{r}.json").read_text()) for r in (0, 1)]
+    for result in results:
+        assert len(set(result["replica_fingerprints"])) == 1  # the two nodes hold the same parameters
+        assert result["flexdemo_exchanges"] == 8 and result["inter_node_reduction_bytes"] == 0
+        assert result["flexdemo_wire_bytes"] == result["flexdemo_counted_bytes"] > 0
