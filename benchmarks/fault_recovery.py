@@ -153,7 +153,8 @@ def main() -> None:
     summary = {}
     for fault in sorted({r["fault"] for r in results["runs"]}):
         rows = [r for r in results["runs"] if r["fault"] == fault]
-        summary[fault] = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k not in ("fault", "resumed_from")}
+        keys = [k for k in rows[0] if k not in ("fault", "resumed_from")]
+        summary[fault] = {k: statistics.median(r[k] for r in rows) for k in keys}
     costs = results["save_cost"]
     summary["save_cost_s"] = statistics.median(c["step_s_saving_every_step"] - c["step_s_no_saves"] for c in costs)
     results["median"] = summary

@@ -87,8 +87,9 @@ def main() -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     shapes = model_shapes(args.model)
     g = torch.Generator(device="cuda").manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
-    grads = [torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16) * 1e-3 for s in shapes]
+    bf16 = dict(generator=g, device="cuda", dtype=torch.bfloat16)
+    params = [torch.nn.Parameter(torch.randn(s, **bf16) * 0.02) for s in shapes]
+    grads = [torch.randn(s, **bf16) * 1e-3 for s in shapes]
     grad_bytes = sum(t.numel() * t.element_size() for t in grads)
 
     rows = []
@@ -120,10 +121,12 @@ def main() -> None:
     phase_ms = {name: median_ms(fn, args.repeats, torch.cuda.synchronize) for name, fn in phases.items()}
     if rank == 0:
         device = torch.cuda.get_device_name()
-        print(f"{args.model}: {sum(s.numel() for s in shapes) / 1e6:.0f}M parameters, bf16, {replicas} replica(s), {device}")
+        size = sum(s.numel() for s in shapes) / 1e6
+        print(f"{args.model}: {size:.0f}M parameters, bf16, {replicas} replica(s), {device}")
         adamw = rows[0][1]
         for name, seconds, sent in rows:
-            print(f"  {name:28s} step {seconds * 1e3:8.2f} ms ({seconds / adamw:5.2f}x AdamW)   sent/step {sent / 1e6:9.2f} MB")
+            ratio = seconds / adamw
+            print(f"  {name:28s} step {seconds * 1e3:8.2f} ms ({ratio:5.2f}x AdamW)   sent/step {sent / 1e6:9.2f} MB")
         print("  DeMo phases (ms):", ", ".join(f"{k} {v:.2f}" for k, v in phase_ms.items()))
     if dist.is_initialized():
         dist.destroy_process_group()

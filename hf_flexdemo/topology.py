@@ -65,10 +65,6 @@ class ReplicaTopology:
             replicate_dim=replicate_dim,
         )
 
-    @classmethod
-    def from_group(cls, group: dist.ProcessGroup) -> ReplicaTopology:
-        return cls(group=group, size=dist.get_world_size(group), rank=dist.get_rank(group))
-
     @property
     def is_replicated(self) -> bool:
         return self.size > 1

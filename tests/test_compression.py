@@ -136,7 +136,8 @@ def test_decoding_adds_replicas_in_rank_order_so_every_process_gets_the_same_bit
     """
     plan = ChunkPlan.for_shape((64, 64), chunk=64, topk=512)
     generator = torch.Generator().manual_seed(0)
-    parts = [select_topk(to_coefficients(torch.randn(64, 64, generator=generator) * 10**i, plan), plan) for i in range(6)]
+    matrices = [torch.randn(64, 64, generator=generator) * 10**i for i in range(6)]
+    parts = [select_topk(to_coefficients(m, plan), plan) for m in matrices]
 
     def in_order(order):
         total, count = torch.zeros(plan.rows * plan.cols), torch.zeros(plan.rows * plan.cols)

@@ -143,7 +143,9 @@ def test_a_full_disk_gives_one_clear_error_and_keeps_complete_checkpoints(uninte
         if disk is None:
             pytest.skip("mounting a small tmpfs needs root and mount(8)")
         out = disk / "run"
-        proc = subprocess.run(t5_command(out), env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            t5_command(out), env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+        )
         output = proc.stdout + proc.stderr
         assert proc.returncode != 0
         assert "the disk is full" in output and "Nothing complete was lost" in output, output[-6000:]

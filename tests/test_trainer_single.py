@@ -65,7 +65,8 @@ def test_flexdemo_settings_with_another_optimizer_are_refused(tok, tmp_path):
     args = TrainingArguments(
         str(tmp_path), optim="adamw_torch", optim_args="topk=32,scheme=demo", use_cpu=True, report_to="none"
     )
-    with pytest.raises(ValueError, match=r"sets FlexDeMo's \['scheme', 'topk'\], but optim='adamw_torch'.*--optim flexdemo"):
+    expected = r"sets FlexDeMo's \['scheme', 'topk'\], but optim='adamw_torch'.*--optim flexdemo"
+    with pytest.raises(ValueError, match=expected):
         Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=8))
 
 
@@ -196,3 +197,14 @@ def test_layouts_that_would_train_unsynchronized_are_refused(tmp_path, case, mes
         text = (tmp_path / f"rank{rank}.txt").read_text()
         assert message in text, text
         assert "fsdp_version: 2" in text, text  # says what to write instead
+
+
+def test_a_shard_size_of_one_under_fsdp_is_refused_with_the_layout_that_works():
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hf_flexdemo.integrations.accelerate_plugin import _refuse_fsdp_without_a_shard_dimension
+
+    with pytest.raises(ValueError, match="remove `parallelism_config` from the Accelerate config"):
+        _refuse_fsdp_without_a_shard_dimension(object(), ParallelismConfig(dp_replicate_size=2, dp_shard_size=1))
+    _refuse_fsdp_without_a_shard_dimension(object(), ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
+    _refuse_fsdp_without_a_shard_dimension(None, ParallelismConfig(dp_replicate_size=2, dp_shard_size=1))

@@ -102,9 +102,7 @@ def t5_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     tok.normalizer = normalizers.NFKC()
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], show_progress=True
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], show_progress=True)
     tok.train_from_iterator(texts, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")

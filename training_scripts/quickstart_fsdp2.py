@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from hf_flexdemo import CommStats, FlexDeMo
+from hf_flexdemo.fsdp import shard_within_node
 
 
 class ByteLM(nn.Module):
@@ -79,9 +79,7 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same initial model everywhere
     model = ByteLM().to(device)
-    for block in model.blocks.layers:
-        fully_shard(block, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])  # shard inside the node only: nothing crosses nodes
+    shard_within_node(model, mesh, blocks=model.blocks.layers)  # FSDP inside a node only: nothing crosses nodes
     opt = FlexDeMo(model.parameters(), lr=args.lr, topk=args.topk, chunk=args.chunk, scheme=args.scheme, mesh=mesh)
 
     batches = text_batches(rank, world, args.batch, 64, seed=1)

@@ -26,8 +26,8 @@ from itertools import chain
 from datasets import Dataset, load_dataset
 from offline_data import bpe_tokenizer, english_paragraphs, shared_tokenizer, split
 from script_utils import (
-    ScriptTrainerMixin,
     ScriptArguments,
+    ScriptTrainerMixin,
     card_info,
     hub_errors,
     hub_model,

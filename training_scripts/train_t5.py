@@ -28,8 +28,8 @@ import numpy as np
 from datasets import Dataset, load_dataset
 from offline_data import english_paragraphs, shared_tokenizer, split, t5_tokenizer, translation_pairs
 from script_utils import (
-    ScriptTrainerMixin,
     ScriptArguments,
+    ScriptTrainerMixin,
     card_info,
     hub_errors,
     hub_model,

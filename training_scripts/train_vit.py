@@ -27,8 +27,8 @@ from datasets import ClassLabel, Dataset, Features, Image, load_dataset
 from offline_data import digit_images, split
 from PIL import Image as PILImage
 from script_utils import (
-    ScriptTrainerMixin,
     ScriptArguments,
+    ScriptTrainerMixin,
     card_info,
     hub_errors,
     hub_model,

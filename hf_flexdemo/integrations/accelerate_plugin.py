@@ -278,7 +278,21 @@ def _refuse_fsdp1_on_cpu(original, self: FullyShardedDataParallelPlugin, *args, 
     original(self, *args, **kwargs)
 
 
+def _refuse_fsdp_without_a_shard_dimension(plugin, config) -> None:
+    """Before Accelerate's own refusal of ``dp_shard_size: 1``, whose message is about tensor parallelism."""
+    if plugin is None or config is None or config.total_size == 1:
+        return
+    if config.dp_shard_size == 1 and config.cp_size == 1 and config.tp_size == 1:
+        raise ValueError(
+            f"parallelism_config_dp_shard_size=1 with FSDP leaves FSDP nothing to shard inside a node "
+            f"(dp_replicate {config.dp_replicate_size} x dp_shard 1). For FlexDeMo with one process per node, "
+            "remove `parallelism_config` from the Accelerate config: FlexDeMo then uses nodes x 1 by itself. "
+            "For another optimizer with one process per node, use `distributed_type: MULTI_GPU` (DDP)."
+        )
+
+
 def _keep_fsdp_on_cpu(original, self: AcceleratorState, *args, **kwargs):
+    _refuse_fsdp_without_a_shard_dimension(kwargs.get("fsdp_plugin"), kwargs.get("parallelism_config"))
     original(self, *args, **kwargs)
     plugin = kwargs.get("fsdp_plugin")
     if plugin is None or self.distributed_type != DistributedType.MULTI_CPU:

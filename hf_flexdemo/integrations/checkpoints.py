@@ -160,7 +160,9 @@ def resolve_resume(run_dir: str | os.PathLike, request: str | bool | None) -> st
     """
     restarts = _job_restart_count()
     if not request and restarts > 0:
-        logger.warning("Automatic restart (restart %d of a launcher): resuming from the newest complete checkpoint.", restarts)
+        logger.warning(
+            "Automatic restart (restart %d of a launcher): resuming from the newest complete checkpoint.", restarts
+        )
         request = AUTO
     decision: list = [None]
     if _rank() == 0:
@@ -286,7 +288,8 @@ def storage_cause(error: BaseException) -> str | None:
         failures = getattr(current, "failures", None)  # DCP's CheckpointException: {rank: (exception, trace)}
         if isinstance(failures, dict):
             for failure in failures.values():
-                pending.extend(f for f in (failure if isinstance(failure, tuple) else (failure,)) if isinstance(f, BaseException))
+                items = failure if isinstance(failure, tuple) else (failure,)
+                pending.extend(f for f in items if isinstance(f, BaseException))
         pending.extend([current.__cause__, current.__context__])
     return None
 

@@ -37,6 +37,7 @@ from .checkpoints import CheckpointCallback, resolve_resume, storage_errors
 logger = logging.getLogger(__name__)
 
 OPTIM_NAME = "flexdemo"
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 MEAN_LOSS_MODEL_TYPES = ("t5", "mt5", "umt5", "longt5", "switch_transformers")
 """Models whose forward takes ``**kwargs`` but averages its own loss, ignoring ``num_items_in_batch``."""
 FROM_TRAINING_ARGUMENTS = {
@@ -119,6 +120,8 @@ def mark_mean_loss_model(model) -> bool:
     multiplies the mean by the number of processes and by the accumulation steps.
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if TRANSFORMERS_MAJOR < 5:  # 4.x: T5's forward takes no **kwargs, so its loss is already taken as averaged
+        return False
     if model_type not in MEAN_LOSS_MODEL_TYPES or hasattr(model, "accepts_loss_kwargs"):
         return False
     model.accepts_loss_kwargs = False
@@ -180,16 +183,20 @@ def install() -> None:
         return
     from transformers import modelcard
 
+    # No public registry for an optim name: TrainingArguments validates against this enum.
     member = _add_enum_member(OptimizerNames, OPTIM_NAME.upper(), OPTIM_NAME)
     _register_handler(member)
-    # The model card's optimizer line would otherwise describe Adam's betas.
+    # No public hook for the card's optimizer line, which would otherwise describe Adam's betas.
     original = modelcard.extract_hyperparameters_from_trainer
     modelcard.extract_hyperparameters_from_trainer = functools.wraps(original)(
         lambda trainer: _card_hyperparameters(original, trainer)
     )
+    # `callbacks=` is the public route, but the stock Trainer with optim="flexdemo" must work as is.
     for callback in (FlexDeMoCallback, CheckpointCallback):
         if callback not in transformers.trainer.DEFAULT_CALLBACKS:
             transformers.trainer.DEFAULT_CALLBACKS.append(callback)
+    # Before __init__: callbacks run after the data is loaded; train(): a callback is too late
+    # to choose the checkpoint that train() loads.
     wrap_method(transformers.Trainer, "__init__", _trainer_init)
     wrap_method(transformers.Trainer, "train", _trainer_train)
     _INSTALLED = True

@@ -2,4 +2,4 @@
 
 from .flexdemo import FlexDeMo, unwrap_flexdemo
 
-__all__ = ["FlexDeMo"]
+__all__ = ["FlexDeMo", "unwrap_flexdemo"]

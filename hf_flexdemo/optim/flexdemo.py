@@ -30,7 +30,15 @@ from ..dtensor_utils import local_tensor
 from ..schemes import Collective, ParamSlot, StepContext, build_scheme
 from ..state_store import StateStore, StateView
 from ..topology import ReplicaTopology, broadcast_from_first_replica, replica_fingerprints
-from ..wire import CommStats, Exchange, all_gather_packed, all_reduce_mean_packed, nbytes, ring_all_reduce_bytes
+from ..wire import (
+    CommStats,
+    Exchange,
+    all_gather_bytes,
+    all_gather_packed,
+    all_reduce_mean_packed,
+    nbytes,
+    ring_all_reduce_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +377,7 @@ class FlexDeMo(torch.optim.Optimizer):
         if replicas == 1 or self.scheme.collective is Collective.NONE:
             return 0
         if self.scheme.collective is Collective.ALL_GATHER:
-            return (replicas - 1) * payload
+            return all_gather_bytes(payload, replicas)
         return ring_all_reduce_bytes(payload, replicas)
 
     # -- replicas ----------------------------------------------------------------------

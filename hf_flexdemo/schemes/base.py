@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,8 +52,10 @@ class ParamSlot:
     group: dict[str, Any]
     index: int
     """Position of the parameter in the optimizer (the same on every replica)."""
-    scratch: dict[str, Any] = field(default_factory=dict)
-    """Carries data from ``local_step`` to ``apply``."""
+    carried: Any = None
+    """What ``local_step`` hands to ``apply``, one value per scheme (None: nothing was sent):
+    demo the ``ChunkPlan`` of the coefficients sent; random/striding the flat positions sent;
+    full and diloco ``True``."""
 
 
 class ReplicationScheme(ABC):

@@ -72,11 +72,11 @@ class DeMoScheme(MomentumScheme):
         values = values.to(self.wire_dtype(slot))
         # Subtract what travels (after rounding to the wire dtype) so the rounding error stays in Q.
         q.view(-1).index_add_(0, flat_positions(indices, plan), values.reshape(-1).to(q.dtype), alpha=-1.0)
-        slot.scratch["plan"] = plan
+        slot.carried = plan
         return [indices.to(plan.index_dtype), values]
 
     def apply(self, slot: ParamSlot, received: list[list[torch.Tensor]], ctx: StepContext) -> None:
-        plan = slot.scratch.get("plan")
+        plan = slot.carried
         if plan is None:
             return
         dtype = self.momentum(slot).dtype

@@ -28,11 +28,11 @@ class FullScheme(MomentumScheme):
             return []
         sent = m.to(self.wire_dtype(slot), copy=True)
         m.sub_(sent.to(m.dtype))
-        slot.scratch["sent"] = True
+        slot.carried = True
         return [sent]
 
     def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> None:
-        if slot.scratch.get("sent"):
+        if slot.carried:
             self.move(slot, received[0])
 
 

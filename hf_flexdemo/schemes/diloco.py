@@ -52,11 +52,11 @@ class DiLoCoScheme(ReplicationScheme):
         if not ctx.replicate:
             return []
         anchor = self.anchor(slot)
-        slot.scratch["outer"] = True
+        slot.carried = True
         return [(anchor - slot.param).to(self.wire_dtype(slot))]
 
     def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> None:
-        if not slot.scratch.get("outer"):
+        if not slot.carried:
             return
         p, mu = slot.param, self.config.outer_momentum
         anchor = self.anchor(slot)

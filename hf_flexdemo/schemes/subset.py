@@ -45,11 +45,11 @@ class SubsetScheme(MomentumScheme):
         flat = m.view(-1)
         values = flat[where].to(self.wire_dtype(slot))
         flat.index_add_(0, where, values.to(m.dtype), alpha=-1.0)
-        slot.scratch["where"] = where
+        slot.carried = where
         return [values]
 
     def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> None:
-        where = slot.scratch.get("where")
+        where = slot.carried
         if where is not None:
             self.move(slot, received[0], where=where)
 
