@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 from support.accelerate_runs import COMMON, launch_command
-from support.launch import REPO_ROOT, TESTS_DIR, child_env
+from support.launch import REPO_ROOT, TESTS_DIR, child_env, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,3 +35,11 @@ def test_two_nodes_with_one_process_each_train_flexdemo_in_step(tmp_path):
         assert len(set(result["replica_fingerprints"])) == 1  # the two nodes hold the same parameters
         assert result["flexdemo_exchanges"] == 8 and result["inter_node_reduction_bytes"] == 0
         assert result["flexdemo_wire_bytes"] == result["flexdemo_counted_bytes"] > 0
+
+
+def test_the_plain_fsdp2_quickstart_trains_without_hugging_face(tmp_path):
+    """`shard_within_node` + FlexDeMo with torchrun alone, 2 nodes x 2 processes."""
+    script = REPO_ROOT / "training_scripts" / "quickstart_fsdp2.py"
+    proc = torchrun(script, 4, "--steps", "6")
+    assert "6 steps in" in proc.stdout and "on 2 nodes x 2 processes" in proc.stdout, proc.stdout
+    assert "with FlexDeMo" in proc.stdout and "fewer)" in proc.stdout
