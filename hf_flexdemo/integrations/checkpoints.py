@@ -243,9 +243,7 @@ class CheckpointCallback(TrainerCallback):
         _barrier()  # nobody moves on (or dies) believing a checkpoint is complete before it is
 
     def on_train_end(self, args, state, control, **kw):
-        args.save_total_limit = self._limit
-        if args.should_save and self._limit == 1 and state.best_model_checkpoint:
-            rotate(Path(args.output_dir), 1, state.best_model_checkpoint)
+        args.save_total_limit = self._limit  # rotation already ran at each save; the newest is kept too
 
 
 @contextlib.contextmanager
