@@ -30,6 +30,8 @@ CONFIGS = {
     "adamw": None,
     "flexdemo demo": dict(scheme="demo"),
     "flexdemo demo bf16 values": dict(scheme="demo", value_dtype="bf16"),
+    "flexdemo demo packed indices": dict(scheme="demo", pack_indices=True),
+    "flexdemo demo bf16 + packed": dict(scheme="demo", value_dtype="bf16", pack_indices=True),
     "flexdemo random": dict(scheme="random"),
     "flexdemo striding": dict(scheme="striding"),
     "flexdemo diloco (H=--steps)": dict(scheme="diloco"),

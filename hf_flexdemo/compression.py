@@ -40,6 +40,30 @@ def index_dtype_for(tile_size: int) -> torch.dtype:
     return torch.int32
 
 
+def index_bits_for(tile_size: int) -> int:
+    """Bits that hold every position in a tile of ``tile_size`` (12 for 64 x 64 tiles)."""
+    return max(1, (tile_size - 1).bit_length())
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Non-negative integers below ``2**bits`` as a ``uint8`` bit stream, ``bits`` bits each (LSB first)."""
+    shifts = torch.arange(bits, device=values.device)
+    stream = ((values.reshape(-1, 1).long() >> shifts) & 1).reshape(-1)
+    stream = torch.nn.functional.pad(stream, (0, -stream.numel() % 8)).view(-1, 8)
+    return (stream << torch.arange(8, device=values.device)).sum(1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The ``count`` int64 values that :func:`pack_bits` wrote into ``packed``."""
+    stream = (packed.reshape(-1, 1).long() >> torch.arange(8, device=packed.device)) & 1
+    stream = stream.reshape(-1)[: count * bits].view(count, bits)
+    return (stream << torch.arange(bits, device=packed.device)).sum(1)
+
+
+def packed_nbytes(count: int, bits: int) -> int:
+    return -(-count * bits // 8)
+
+
 def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """Transforms run in float32 at least; 16-bit inputs would lose the small coefficients."""
     return torch.float64 if dtype == torch.float64 else torch.float32

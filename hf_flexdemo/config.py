@@ -28,7 +28,7 @@ GROUP_KEYS = ("lr", "weight_decay", "decay", "topk", "chunk", "sign", "betas", "
 """Hyperparameters that may differ between parameter groups; the rest hold for the whole optimizer."""
 
 OWN_KEYS = ("topk", "chunk", "decode", "value_dtype", "scheme", "replicate_every", "rate")
-OWN_KEYS += ("inner_steps", "outer_lr", "outer_momentum", "overlap")
+OWN_KEYS += ("inner_steps", "outer_lr", "outer_momentum", "overlap", "pack_indices")
 """``optim_args`` keys that only FlexDeMo reads: with another ``optim`` they would be ignored."""
 
 
@@ -72,6 +72,10 @@ class FlexDeMoConfig:
         default=False,
         metadata={"help": "Per-step schemes: apply each step's exchange one step late, hiding it behind compute."},
     )
+    pack_indices: bool = field(
+        default=False,
+        metadata={"help": "demo: send each index in the bits a tile position needs (12 for 64x64 tiles), not 16."},
+    )
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
@@ -86,8 +90,9 @@ class FlexDeMoConfig:
                 f"{PER_STEP_SCHEMES}, not to scheme={self.scheme!r}; leave it at 1"
                 + (" and set inner_steps instead." if self.scheme == "diloco" else ".")
             )
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"FlexDeMo: overlap={self.overlap!r} is invalid; overlap must be True or False.")
+        for name in ("overlap", "pack_indices"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"FlexDeMo: {name}={getattr(self, name)!r} is invalid; {name} must be True or False.")
         if self.overlap and self.scheme not in PER_STEP_SCHEMES:
             raise ValueError(
                 f"FlexDeMo: overlap=True applies to the per-step schemes {PER_STEP_SCHEMES}, not to "

@@ -13,11 +13,15 @@ from hf_flexdemo.compression import (
     decode_replicas,
     flat_positions,
     from_coefficients,
+    index_bits_for,
     index_dtype_for,
+    pack_bits,
+    packed_nbytes,
     largest_divisor_at_most,
     select_topk,
     tiles,
     to_coefficients,
+    unpack_bits,
 )
 
 pytestmark = pytest.mark.unit
@@ -107,6 +111,17 @@ def test_error_feedback_removes_exactly_the_sent_coefficients_from_the_momentum(
     torch.testing.assert_close(kept, expected, atol=1e-15, rtol=0)
     assert kept.gather(1, indices).abs().max() == 0  # nothing sent stays behind
     assert (kept != 0).sum() == before.numel() - indices.numel()  # and nothing unsent was lost
+
+
+@pytest.mark.parametrize("tile_size", [1, 2, 3, 64, 256, 4096, 4097, 2**16])
+def test_bit_packing_round_trips_at_the_width_a_tile_needs(tile_size):
+    bits = index_bits_for(tile_size)
+    assert 2 ** (bits - 1) < tile_size <= 2**bits or tile_size == 1
+    values = torch.randint(0, tile_size, (37,), generator=torch.Generator().manual_seed(tile_size))
+    values[0] = tile_size - 1  # the largest position fits
+    packed = pack_bits(values, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(37, bits) == -(-37 * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits, 37), values)
 
 
 def test_index_dtype_is_the_smallest_that_holds_a_tile_position():

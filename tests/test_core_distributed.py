@@ -76,7 +76,7 @@ def test_dense_all_reduce_counterfactual_and_compression(ranks):
 
 
 @pytest.mark.parametrize(
-    "config", ["demo", "demo_sign_mean", "demo_every2", "random", "striding", "full", "none", "diloco"]
+    "config", ["demo", "demo_sign_mean", "demo_packed", "demo_every2", "random", "striding", "full", "none", "diloco"]
 )
 def test_sharded_replicas_match_the_one_process_reference(ranks, config):
     for rank in ranks:

@@ -134,6 +134,18 @@ def test_demo_payload_is_uint16_indices_and_values_in_the_chosen_dtype():
         assert indices.shape == values.shape == (plan.n_tiles, 32)
 
 
+def test_packed_indices_take_12_bits_each_for_64x64_tiles():
+    p = torch.nn.Parameter(torch.randn(128, 64))
+    p.grad = torch.randn(128, 64)
+    opt = FlexDeMo([p], pack_indices=True)
+    store = StateStore(ReplicaTopology.single())
+    slot = ParamSlot(p.detach(), p.grad, StateView(store, p, p.detach(), {}), opt.param_groups[0], 1)
+    indices, values = DeMoScheme(opt.config).local_step(slot, StepContext(step=1, replicate=True, replicas=1))
+    plan = ChunkPlan.for_shape((128, 64), 64, 32)
+    assert indices.dtype == torch.uint8 and indices.numel() == plan.n_tiles * 32 * 12 // 8  # 25% fewer than uint16
+    assert values.shape == (plan.n_tiles, 32)
+
+
 def test_replicate_every_accumulates_without_moving_parameters():
     params = make_params()
     opt = FlexDeMo(params, **{**SMALL, "replicate_every": 3, "weight_decay": 0.0})

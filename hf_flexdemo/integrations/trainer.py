@@ -73,8 +73,7 @@ def describe(args: TrainingArguments) -> str:
         keys += ["rate"]
     if config.scheme == "diloco":
         keys = ["scheme", "inner_steps", "outer_lr", "outer_momentum", "betas", "value_dtype"]
-    if config.overlap:
-        keys += ["overlap"]
+    keys += [key for key in ("overlap", "pack_indices") if getattr(config, key)]
     return "FlexDeMo(" + ", ".join(f"{k}={getattr(config, k)!r}" for k in keys) + ")"
 
 

@@ -104,6 +104,7 @@ class FlexDeMo(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         overlap: bool = False,
+        pack_indices: bool = False,
         mesh: DeviceMesh | None = None,
         replicate_dim: str | None = None,
     ):
@@ -126,6 +127,7 @@ class FlexDeMo(torch.optim.Optimizer):
             betas=betas,
             eps=eps,
             overlap=overlap,
+            pack_indices=pack_indices,
         )
         super().__init__(params, self.config.group_defaults())
         self.scheme = build_scheme(self.config)

@@ -21,7 +21,17 @@ from __future__ import annotations
 
 import torch
 
-from ..compression import ChunkPlan, decode_replicas, flat_positions, from_coefficients, select_topk, to_coefficients
+from ..compression import (
+    ChunkPlan,
+    decode_replicas,
+    flat_positions,
+    from_coefficients,
+    index_bits_for,
+    pack_bits,
+    select_topk,
+    to_coefficients,
+    unpack_bits,
+)
 from .base import Collective, ParamSlot, StepContext
 from .momentum import MomentumScheme
 
@@ -73,6 +83,8 @@ class DeMoScheme(MomentumScheme):
         # Subtract what travels (after rounding to the wire dtype) so the rounding error stays in Q.
         q.view(-1).index_add_(0, flat_positions(indices, plan), values.reshape(-1).to(q.dtype), alpha=-1.0)
         slot.carried = plan
+        if self.config.pack_indices:
+            return [pack_bits(indices, index_bits_for(plan.tile_size)), values]
         return [indices.to(plan.index_dtype), values]
 
     def apply(self, slot: ParamSlot, received: list[list[torch.Tensor]], ctx: StepContext) -> None:
@@ -80,5 +92,8 @@ class DeMoScheme(MomentumScheme):
         if plan is None:
             return
         dtype = self.momentum(slot).dtype
+        if self.config.pack_indices:
+            bits, count = index_bits_for(plan.tile_size), plan.n_tiles * plan.k
+            received = [[unpack_bits(indices, bits, count).view(plan.n_tiles, plan.k), values] for indices, values in received]
         coefficients = decode_replicas([tuple(part) for part in received], plan, self.config.decode, dtype)
         self.move(slot, from_coefficients(coefficients, plan))

@@ -102,6 +102,7 @@ def check_oracle(mesh, coords) -> dict:
     configs = {
         "demo": dict(scheme="demo", sign=False),
         "demo_sign_mean": dict(scheme="demo", sign=True, decode="mean"),
+        "demo_packed": dict(scheme="demo", sign=False, pack_indices=True),  # a wire format: same results
         "demo_every2": dict(scheme="demo", sign=False, replicate_every=2),
         "random": dict(scheme="random", sign=False),
         "striding": dict(scheme="striding", sign=False),
