@@ -64,6 +64,39 @@ def packed_nbytes(count: int, bits: int) -> int:
     return -(-count * bits // 8)
 
 
+VALUE_BITS = (0, 1, 2, 4, 8)
+"""Low-bit value formats: 0 sends values as they are; 1 a sign; 2, 4, 8 a symmetric integer code."""
+
+
+def quantize_tiles(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(n_tiles, k)`` values as packed ``bits``-bit codes and one float32 scale per tile.
+
+    ``bits=1``: the sign of each value, and the tile's mean magnitude as the scale, so a
+    value reads back as ``sign * mean|v|`` (the tile's energy on the sent coefficients, with
+    each one's direction). ``bits`` of 2, 4 or 8: ``round(v / s)`` with ``s = max|v| / L``,
+    ``L = 2**(bits-1) - 1``, clamped to ``[-L, L]``; rounding is to nearest (deterministic).
+    """
+    values = values.float()
+    if bits == 1:
+        scale = values.abs().mean(1)
+        codes = (values >= 0).to(torch.int64)
+    else:
+        levels = 2 ** (bits - 1) - 1
+        scale = values.abs().amax(1) / levels
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(values / safe.unsqueeze(1)).clamp_(-levels, levels).to(torch.int64) + levels
+    return pack_bits(codes, bits), scale
+
+
+def dequantize_tiles(codes: torch.Tensor, scale: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """The float32 ``(n_tiles, k)`` values that :func:`quantize_tiles` encoded."""
+    n_tiles = scale.numel()
+    raw = unpack_bits(codes, bits, n_tiles * k).view(n_tiles, k)
+    levels = 1 if bits == 1 else 2 ** (bits - 1) - 1
+    steps = raw * 2 - 1 if bits == 1 else raw - levels
+    return steps.float() * scale.float().view(n_tiles, 1)
+
+
 def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """Transforms run in float32 at least; 16-bit inputs would lose the small coefficients."""
     return torch.float64 if dtype == torch.float64 else torch.float32

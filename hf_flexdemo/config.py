@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .compression import DECODE_MODES
+from .compression import DECODE_MODES, VALUE_BITS
 
 SCHEMES = ("demo", "random", "striding", "diloco", "full", "none")
 VALUE_DTYPES: dict[str, torch.dtype | None] = {
@@ -28,7 +28,7 @@ GROUP_KEYS = ("lr", "weight_decay", "decay", "topk", "chunk", "sign", "betas", "
 """Hyperparameters that may differ between parameter groups; the rest hold for the whole optimizer."""
 
 OWN_KEYS = ("topk", "chunk", "decode", "value_dtype", "scheme", "replicate_every", "rate")
-OWN_KEYS += ("inner_steps", "outer_lr", "outer_momentum", "overlap", "pack_indices")
+OWN_KEYS += ("inner_steps", "outer_lr", "outer_momentum", "overlap", "pack_indices", "value_bits")
 """``optim_args`` keys that only FlexDeMo reads: with another ``optim`` they would be ignored."""
 
 
@@ -72,6 +72,14 @@ class FlexDeMoConfig:
         default=False,
         metadata={"help": "Per-step schemes: apply each step's exchange one step late, hiding it behind compute."},
     )
+    value_bits: int = field(
+        default=0,
+        metadata={
+            "help": "demo: 0 sends values in value_dtype; 1 their signs and each tile's mean magnitude; 2, 4 or 8 "
+            "a symmetric integer code per value and one float32 scale per tile. The rounding error stays in the "
+            "momentum (error feedback)."
+        },
+    )
     pack_indices: bool = field(
         default=False,
         metadata={"help": "demo: send each index in the bits a tile position needs (12 for 64x64 tiles), not 16."},
@@ -89,6 +97,12 @@ class FlexDeMoConfig:
                 f"FlexDeMo: replicate_every={self.replicate_every} applies to the per-step schemes "
                 f"{PER_STEP_SCHEMES}, not to scheme={self.scheme!r}; leave it at 1"
                 + (" and set inner_steps instead." if self.scheme == "diloco" else ".")
+            )
+        _check_choice("value_bits", self.value_bits, VALUE_BITS)
+        if self.value_bits and self.scheme != "demo":
+            raise ValueError(
+                f"FlexDeMo: value_bits={self.value_bits} applies to scheme='demo' only, not scheme={self.scheme!r}; "
+                "leave it at 0 (for fewer bytes there, use value_dtype='bf16')."
             )
         for name in ("overlap", "pack_indices"):
             if not isinstance(getattr(self, name), bool):

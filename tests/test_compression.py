@@ -11,13 +11,15 @@ from hf_flexdemo.compression import (
     ChunkPlan,
     dct_matrix,
     decode_replicas,
+    dequantize_tiles,
     flat_positions,
     from_coefficients,
     index_bits_for,
     index_dtype_for,
+    largest_divisor_at_most,
     pack_bits,
     packed_nbytes,
-    largest_divisor_at_most,
+    quantize_tiles,
     select_topk,
     tiles,
     to_coefficients,
@@ -94,23 +96,29 @@ def test_topk_keeps_the_largest_magnitudes_of_each_tile():
     assert sorted(flat_positions(indices, plan).tolist()) == [1, 2, 6, 7]
 
 
-def test_error_feedback_removes_exactly_the_sent_coefficients_from_the_momentum():
-    """One DeMo step of the optimizer: its stored momentum is lr*DCT(grad) with the sent top-k zeroed."""
+@pytest.mark.parametrize("value_bits", [0, 1, 4])
+def test_error_feedback_removes_exactly_what_receivers_decode_from_the_momentum(value_bits):
+    """One DeMo step: the stored momentum is lr*DCT(grad) minus the sent coefficients as decoded."""
     from hf_flexdemo import FlexDeMo
 
     p = torch.nn.Parameter(torch.zeros(40, 24, dtype=torch.float64))
     p.grad = torch.randn(40, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    opt = FlexDeMo([p], lr=0.1, topk=5, chunk=8, scheme="demo")
+    opt = FlexDeMo([p], lr=0.1, topk=5, chunk=8, scheme="demo", value_bits=value_bits)
     opt.step()
     plan = ChunkPlan.for_shape(p.shape, chunk=8, topk=5)
-    coefficients = to_coefficients(0.1 * p.grad, plan)
-    indices, _ = select_topk(coefficients, plan)
+    coefficients = to_coefficients(p.grad, plan) * 0.1  # as the optimizer computes it: lr * DCT(grad)
+    indices, values = select_topk(coefficients, plan)
+    if value_bits:
+        values = dequantize_tiles(*quantize_tiles(values, value_bits), value_bits, plan.k).double()
     before = tiles(coefficients, plan)
-    expected = before.clone().scatter_(1, indices, 0.0)
+    expected = before.clone().scatter_(1, indices, before.gather(1, indices) - values)
     kept = tiles(opt.state[p]["momentum_dct"], plan)
     torch.testing.assert_close(kept, expected, atol=1e-15, rtol=0)
-    assert kept.gather(1, indices).abs().max() == 0  # nothing sent stays behind
-    assert (kept != 0).sum() == before.numel() - indices.numel()  # and nothing unsent was lost
+    if not value_bits:
+        assert kept.gather(1, indices).abs().max() == 0  # nothing sent stays behind
+    # Nothing unsent was touched.
+    untouched = torch.ones_like(before, dtype=torch.bool).scatter_(1, indices, False)
+    assert torch.equal(kept[untouched], before[untouched])
 
 
 @pytest.mark.parametrize("tile_size", [1, 2, 3, 64, 256, 4096, 4097, 2**16])
@@ -122,6 +130,21 @@ def test_bit_packing_round_trips_at_the_width_a_tile_needs(tile_size):
     packed = pack_bits(values, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(37, bits) == -(-37 * bits // 8)
     assert torch.equal(unpack_bits(packed, bits, 37), values)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_low_bit_values_read_back_within_their_step(bits):
+    values = torch.randn(6, 32, generator=torch.Generator().manual_seed(bits)) * torch.arange(1, 7).view(6, 1)
+    codes, scale = quantize_tiles(values, bits)
+    assert codes.dtype == torch.uint8 and codes.numel() == packed_nbytes(6 * 32, bits) and scale.shape == (6,)
+    decoded = dequantize_tiles(codes, scale, bits, 32)
+    if bits == 1:  # the sign, at the tile's mean magnitude
+        expected = torch.where(values >= 0, 1.0, -1.0) * values.abs().mean(1, keepdim=True)
+        assert torch.equal(decoded, expected)
+    else:  # round to nearest: within half a step of the tile's scale
+        assert ((decoded - values).abs() <= scale.view(6, 1) / 2 + 1e-6).all()
+        assert torch.equal(decoded.abs().amax(1), values.abs().amax(1))  # the largest is exact
+    assert torch.equal(dequantize_tiles(*quantize_tiles(torch.zeros(2, 8), bits), bits, 8), torch.zeros(2, 8))
 
 
 def test_index_dtype_is_the_smallest_that_holds_a_tile_position():

@@ -29,6 +29,8 @@ BAD = [
     (dict(topk=2.5), "topk=2.5", "integer"),
     (dict(outer_momentum=1.0), "outer_momentum=1.0", "[0.0, 1.0)"),
     (dict(scheme="diloco", betas=(0.9, 1.5)), "betas[1]=1.5", "[0.0, 1.0)"),
+    (dict(value_bits=3), "value_bits=3", "(0, 1, 2, 4, 8)"),
+    (dict(scheme="random", value_bits=1), "value_bits=1", "scheme='demo' only"),
 ]
 
 

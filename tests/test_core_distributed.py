@@ -11,7 +11,7 @@ from support.launch import TESTS_DIR, read_rank_results, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
-SYNCING = ("demo", "random", "striding", "full", "diloco")
+SYNCING = ("demo", "random", "striding", "full", "diloco", "demo_1bit_packed", "demo_4bit")
 ALL = (*SYNCING, "none")
 
 

@@ -73,7 +73,7 @@ def describe(args: TrainingArguments) -> str:
         keys += ["rate"]
     if config.scheme == "diloco":
         keys = ["scheme", "inner_steps", "outer_lr", "outer_momentum", "betas", "value_dtype"]
-    keys += [key for key in ("overlap", "pack_indices") if getattr(config, key)]
+    keys += [key for key in ("overlap", "value_bits", "pack_indices") if getattr(config, key)]
     return "FlexDeMo(" + ", ".join(f"{k}={getattr(config, k)!r}" for k in keys) + ")"
 
 

@@ -104,6 +104,7 @@ class FlexDeMo(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         overlap: bool = False,
+        value_bits: int = 0,
         pack_indices: bool = False,
         mesh: DeviceMesh | None = None,
         replicate_dim: str | None = None,
@@ -127,6 +128,7 @@ class FlexDeMo(torch.optim.Optimizer):
             betas=betas,
             eps=eps,
             overlap=overlap,
+            value_bits=value_bits,
             pack_indices=pack_indices,
         )
         super().__init__(params, self.config.group_defaults())

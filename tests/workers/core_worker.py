@@ -33,6 +33,10 @@ from hf_flexdemo.state_store import StateStore
 from hf_flexdemo.topology import replica_fingerprints
 
 SCHEMES = ("demo", "random", "striding", "full", "diloco", "none")
+VARIANTS = {  # wire formats of demo, run like the schemes
+    "demo_1bit_packed": dict(scheme="demo", value_bits=1, pack_indices=True),
+    "demo_4bit": dict(scheme="demo", value_bits=4),
+}
 SMALL = dict(topk=4, chunk=8, rate=0.25, inner_steps=5)
 
 
@@ -60,9 +64,9 @@ def train(model, opt, coords, steps, first_step=0, dtype=torch.float32, on_step=
 def check_schemes(mesh, coords, spy) -> dict:
     """Every scheme: loss, replica agreement after 20 steps, counters against the wire."""
     out = {}
-    for scheme in SCHEMES:
+    for scheme, kwargs in [*((name, {"scheme": name}) for name in SCHEMES), *VARIANTS.items()]:
         model = build(mesh)
-        opt = FlexDeMo(model.parameters(), lr=1e-2, weight_decay=0.01, scheme=scheme, mesh=mesh, **SMALL)
+        opt = FlexDeMo(model.parameters(), lr=1e-2, weight_decay=0.01, mesh=mesh, **SMALL, **kwargs)
         per_step, losses = [], []
         for step in range(20):
             x, y = batch(*coords, step)
