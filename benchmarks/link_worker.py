@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training_scripts"))
 
 import train_t5  # noqa: E402
+from script_utils import finish_distributed  # noqa: E402
 
 from hf_flexdemo import FlexDeMoCallback  # noqa: E402
 
@@ -68,6 +69,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
         }
         result_path.write_text(json.dumps(result, indent=1))
+    finish_distributed(trainer)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch.distributed
 from huggingface_hub import ModelCard, ModelCardData, constants
 from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoConfig, HfArgumentParser, Trainer, TrainingArguments, set_seed
@@ -165,7 +166,16 @@ def train_and_report(trainer: Trainer, headline: Sequence[str], derived=None) ->
     if args.push_to_hub:
         push_to_hub(trainer)
     print_summary(trainer, metrics, headline)
+    finish_distributed(trainer)
     return metrics
+
+
+def finish_distributed(trainer: Trainer) -> None:
+    """Leave together: a process that exits while a peer's gloo connections are still up can
+    make that peer abort at exit ("terminate called without an active exception")."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        trainer.accelerator.wait_for_everyone()
+        torch.distributed.destroy_process_group()
 
 
 # -- saving, card, push --------------------------------------------------------------------
