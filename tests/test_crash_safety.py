@@ -38,6 +38,11 @@ def t5_command(output_dir: Path, *flags: str, launch: tuple[str, ...] = (), conf
     return launch_command(*launch, SCRIPT, "--output_dir", str(output_dir), *FLAGS, *flags, config=config)
 
 
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -84,6 +89,8 @@ def test_workers_killed_during_saves_restart_on_every_node_and_end_bitwise_equal
         with logs[-1].open("w") as log:
             env = child_env(**RESTART_ENV)
             launchers.append(subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT))
+        if machine == 0:  # machine 0 hosts the c10d rendezvous: let it bind the port before machine 1 asks
+            wait_for(lambda: port_open(int(port)), 120, "machine 0's rendezvous port", poll=0.1)
     try:
         killed = kill_during_saves(launchers, tmp_path, kills=2, seed=11)
         for launcher in launchers:

@@ -45,6 +45,7 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 from torch.distributed.device_mesh import init_device_mesh
 
+from .. import elastic
 from ..optim import FlexDeMo, unwrap_flexdemo
 from ._patching import wrap_method
 
@@ -259,6 +260,8 @@ def launched_distributed() -> bool:
 
 
 def _cpu_without_accelerator(original, self: PartialState, cpu: bool = False, **kwargs):
+    # Before the process group exists: a restarted round must not touch the stale rendezvous store.
+    elastic.check_restart_setup()
     if not cpu and launched_distributed() and not torch.accelerator.is_available():
         cpu = True  # otherwise every process would think it trains alone
     original(self, cpu, **kwargs)
