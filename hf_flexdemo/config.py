@@ -23,12 +23,14 @@ VALUE_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
 }
 PER_STEP_SCHEMES = ("demo", "random", "striding", "full")
+FAULT_TOLERANCE = ("off", "torchft")
 
 GROUP_KEYS = ("lr", "weight_decay", "decay", "topk", "chunk", "sign", "betas", "eps")
 """Hyperparameters that may differ between parameter groups; the rest hold for the whole optimizer."""
 
 OWN_KEYS = ("topk", "chunk", "decode", "value_dtype", "scheme", "replicate_every", "rate")
 OWN_KEYS += ("inner_steps", "outer_lr", "outer_momentum", "overlap", "pack_indices", "value_bits")
+OWN_KEYS += ("fault_tolerance", "min_replicas", "ft_timeout", "quorum_timeout")
 """``optim_args`` keys that only FlexDeMo reads: with another ``optim`` they would be ignored."""
 
 
@@ -84,6 +86,24 @@ class FlexDeMoConfig:
         default=False,
         metadata={"help": "demo: send each index in the bits a tile position needs (12 for 64x64 tiles), not 16."},
     )
+    fault_tolerance: str = field(
+        default="off",
+        metadata={
+            "help": "'torchft': each node is its own job and the replicas meet in a torchft quorum every step, so "
+            "a lost node never stops the others (needs TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID, NUM_REPLICA_GROUPS)."
+        },
+    )
+    min_replicas: int = field(
+        default=1, metadata={"help": "torchft: fewest live nodes a step commits with; fewer and the others wait."}
+    )
+    ft_timeout: float = field(
+        default=30.0,
+        metadata={"help": "torchft: seconds an exchange, commit vote or recovery may take before it counts as lost."},
+    )
+    quorum_timeout: float = field(
+        default=120.0,
+        metadata={"help": "torchft: seconds to wait for min_replicas live nodes (or the Lighthouse) before stopping."},
+    )
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
@@ -113,10 +133,23 @@ class FlexDeMoConfig:
                 f"scheme={self.scheme!r}."
             )
         _check_float("rate", self.rate, low=0.0, high=1.0, low_open=True)
+        _check_choice("fault_tolerance", self.fault_tolerance, FAULT_TOLERANCE)
+        _check_int("min_replicas", self.min_replicas, low=1)
+        _check_float("ft_timeout", self.ft_timeout, low=0.0, low_open=True)
+        _check_float("quorum_timeout", self.quorum_timeout, low=0.0, low_open=True)
+        if self.overlap and self.fault_tolerant:
+            raise ValueError(
+                "FlexDeMo: overlap=True cannot be combined with fault_tolerance='torchft': a step is committed only "
+                "once its exchange is known to be complete, which overlap defers to the next step. Drop overlap."
+            )
         _check_int("seed", self.seed, low=0)
         _check_int("inner_steps", self.inner_steps, low=1)
         _check_float("outer_lr", self.outer_lr, low=0.0)
         _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
+
+    @property
+    def fault_tolerant(self) -> bool:
+        return self.fault_tolerance != "off"
 
     @property
     def wire_dtype(self) -> torch.dtype | None:

@@ -69,6 +69,23 @@ class ReplicaTopology:
     def is_replicated(self) -> bool:
         return self.size > 1
 
+    @property
+    def is_managed(self) -> bool:
+        """Whether a fault-tolerance manager decides, per step, who the replicas are."""
+        return False
+
+    @property
+    def device(self) -> torch.device:
+        """Where this group's collectives take their tensors."""
+        return collective_device(self.group)
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
+        """Every replica's ``tensor`` laid end to end in ``output`` (replica order)."""
+        return all_gather_single(output, tensor, group=self.group, async_op=async_op)
+
+    def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False):
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
 
 def parameter_fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """An exact int64 checksum of the bits of the local shards (wrapping sums).
@@ -96,9 +113,11 @@ def replica_fingerprints(tensors: Iterable[torch.Tensor], topology: ReplicaTopol
     local = parameter_fingerprint(tensors)
     if not topology.is_replicated:
         return [int(local)]
-    device = collective_device(topology.group)
+    device = topology.device
     gathered = torch.empty(topology.size, dtype=torch.int64, device=device)
-    all_gather_single(gathered, local.to(device).reshape(1), group=topology.group)
+    work = topology.all_gather_into(gathered, local.to(device).reshape(1))
+    if work is not None:
+        work.wait()
     return [int(x) for x in gathered.cpu()]
 
 

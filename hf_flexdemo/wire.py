@@ -27,9 +27,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .topology import ReplicaTopology, all_gather_single
+from .topology import ReplicaTopology
 
 
 @dataclass
@@ -106,7 +105,7 @@ def all_gather_packed(tensors: Sequence[torch.Tensor], topology: ReplicaTopology
     buffer = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
     size = buffer.numel()
     gathered = torch.empty(topology.size * size, dtype=torch.uint8, device=device)
-    work = all_gather_single(gathered, buffer, group=topology.group, async_op=async_op)
+    work = topology.all_gather_into(gathered, buffer, async_op=async_op)
 
     def unpack() -> list[list[torch.Tensor]]:
         received = []
@@ -140,7 +139,7 @@ def all_reduce_mean_packed(
     buffers, works, stats = [], [], CommStats()
     for members in by_dtype.values():
         buffer = torch.cat([tensors[i].reshape(-1) for i in members])
-        works.append(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=topology.group, async_op=async_op))
+        works.append(topology.all_reduce_sum(buffer, async_op=async_op))
         buffers.append((buffer, members))
         moved = ring_all_reduce_bytes(nbytes(buffer), topology.size)
         stats += CommStats(bytes_sent=moved, bytes_received=moved, collectives=1)

@@ -60,3 +60,10 @@ def test_the_layout_properties_we_read_exist():
     for name in ("fsdp_dim_names", "dp_replicate_enabled", "dp_shard_enabled", "tp_enabled", "cp_enabled"):
         assert hasattr(ParallelismConfig, name), f"ParallelismConfig.{name} moved (accelerate {accelerate.__version__})"
     assert "best_global_step" in inspect.signature(transformers.TrainerState).parameters
+
+
+def test_the_logging_step_a_healing_node_moves_is_kept_by_the_trainer():
+    from hf_flexdemo.integrations.fault_tolerant_trainer import LAST_LOGGED
+
+    source = inspect.getsource(transformers.Trainer)
+    assert f"self.{LAST_LOGGED}" in source, f"Trainer.{LAST_LOGGED} moved ({transformers.__version__})"

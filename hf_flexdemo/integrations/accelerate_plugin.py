@@ -195,7 +195,9 @@ def _prepare_flexdemo_aware(original, self: Accelerator, *args, **kwargs):
         return original(self, *args, **kwargs)
     if self.num_processes == 1:
         flexdemo.attach(None)
-        return original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
+        _join_quorum(self, flexdemo)
+        return result
     check_flexdemo_layout(self.state)
     config = _ensure_layout(self)
     with _shard_only(config):
@@ -204,6 +206,7 @@ def _prepare_flexdemo_aware(original, self: Accelerator, *args, **kwargs):
         flexdemo.attach(self.torch_device_mesh, replicate_dim=REPLICATE_DIM)
     else:
         flexdemo.attach(None)  # one node: FlexDeMo runs with a single replica
+        _join_quorum(self, flexdemo)
     logger.info(
         "FlexDeMo: FSDP2 shards over %d processes per node; %d replicas exchange %r across nodes.",
         config.dp_shard_size,
@@ -211,6 +214,16 @@ def _prepare_flexdemo_aware(original, self: Accelerator, *args, **kwargs):
         flexdemo.config.scheme,
     )
     return result
+
+
+def _join_quorum(accelerator: Accelerator, flexdemo: FlexDeMo) -> None:
+    """fault_tolerance='torchft': this node's replicas are the live nodes of a torchft quorum."""
+    if not flexdemo.config.fault_tolerant:
+        return
+    from ..fault_tolerance import node_replicas
+
+    device = accelerator.device
+    flexdemo.attach_managed(node_replicas(flexdemo.config, device=device if device.type == "cuda" else None))
 
 
 def check_flexdemo_layout(state: AcceleratorState) -> None:

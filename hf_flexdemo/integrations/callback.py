@@ -102,11 +102,15 @@ class FlexDeMoCallback(TrainerCallback):
         if topo.mesh is not None:
             names = [n for n in topo.mesh.mesh_dim_names if n != topo.replicate_dim]
             self._node_group = topo.mesh[names[0]].get_group() if names else None
-        if opt.config.scheme == "none" and topo.size > 1:
+        if opt.managed is not None:  # each node is its own job: the node is the whole world
+            self._node_group = dist.group.WORLD if dist.is_initialized() else None
+            if state.is_world_process_zero:
+                logger.info("FlexDeMo: %s trains in a torchft quorum of live nodes.", opt.managed.identity.name)
+        elif opt.config.scheme == "none" and topo.size > 1:
             logger.warning(
                 "FlexDeMo scheme='none' on %d replicas: nothing is exchanged, so replicas drift apart.", topo.size
             )
-        if topo.size == 1 and state.is_world_process_zero:
+        if topo.size == 1 and opt.managed is None and state.is_world_process_zero:
             logger.warning(
                 "FlexDeMo has 1 replica: nothing crosses nodes (byte figures stay 0) and each step applies the "
                 "sign of this replica's own update. Launch several nodes (parallelism_config_dp_replicate_size) "
@@ -117,6 +121,10 @@ class FlexDeMoCallback(TrainerCallback):
         self._last = (state.global_step, self._node_totals())
 
     # -- every step ----------------------------------------------------------------------
+
+    def on_step_begin(self, args, state, control, **kw):
+        if self._optimizer is not None:
+            self._optimizer.begin_step()  # fault tolerance: join the quorum (and heal) before the forward pass
 
     def on_step_end(self, args, state, control, **kw):
         opt = self._optimizer

@@ -133,6 +133,12 @@ def _trainer_init(original, self, *args, **kwargs):
     elastic.check_restart_setup()  # before any data is loaded
     original(self, *args, **kwargs)
     elastic.exit_with_launcher()
+    if is_flexdemo(self.args):
+        config = FlexDeMoConfig(**flexdemo_kwargs(self.args))
+        if config.fault_tolerant:
+            from .fault_tolerant_trainer import prepare_fault_tolerant_trainer
+
+            prepare_fault_tolerant_trainer(self, config)
 
 
 def _trainer_train(original, self, resume_from_checkpoint=None, *args, **kwargs):

@@ -15,6 +15,7 @@ The replication step is pluggable (:mod:`hf_flexdemo.schemes`): ``demo``, ``rand
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,7 +30,12 @@ from ..config import FlexDeMoConfig, validate_group
 from ..dtensor_utils import local_tensor
 from ..schemes import Collective, ParamSlot, StepContext, build_scheme
 from ..state_store import StateStore, StateView
-from ..topology import ReplicaTopology, broadcast_from_first_replica, replica_fingerprints
+from ..topology import (
+    ReplicaTopology,
+    broadcast_from_first_replica,
+    parameter_fingerprint,
+    replica_fingerprints,
+)
 from ..wire import (
     CommStats,
     Exchange,
@@ -55,10 +61,13 @@ class _InFlight:
     """Where each parameter's tensors sit in the packed list."""
     grad_bytes: list[int]
     """Each parameter's gradient size (the dense baseline); the gradients themselves are released."""
+    undo: list | None = None
+    """Fault tolerance: what the step changed before its exchange, restored if the node does not commit."""
 
 
 COUNTERS = "comm_bytes"
-"""Per-rank int64 pair kept in each parameter's state: payload bytes sent, gradient bytes seen."""
+"""Per-rank int64 pair kept in each parameter's state: bytes this process put on the inter-node
+link, and what a dense ring all-reduce of its gradients would have put there."""
 
 
 class FlexDeMo(torch.optim.Optimizer):
@@ -106,6 +115,10 @@ class FlexDeMo(torch.optim.Optimizer):
         overlap: bool = False,
         value_bits: int = 0,
         pack_indices: bool = False,
+        fault_tolerance: str = "off",
+        min_replicas: int = 1,
+        ft_timeout: float = 30.0,
+        quorum_timeout: float = 120.0,
         mesh: DeviceMesh | None = None,
         replicate_dim: str | None = None,
     ):
@@ -130,6 +143,10 @@ class FlexDeMo(torch.optim.Optimizer):
             overlap=overlap,
             value_bits=value_bits,
             pack_indices=pack_indices,
+            fault_tolerance=fault_tolerance,
+            min_replicas=min_replicas,
+            ft_timeout=ft_timeout,
+            quorum_timeout=quorum_timeout,
         )
         super().__init__(params, self.config.group_defaults())
         self.scheme = build_scheme(self.config)
@@ -139,6 +156,7 @@ class FlexDeMo(torch.optim.Optimizer):
         self._pending: _InFlight | None = None  # overlap: the last step's exchange
         self._verify_state = True  # check saved state against this layout at the next step (costs host syncs)
         self._uncounted: dict[torch.Tensor, list[int]] = {}  # bytes per parameter not yet added to the state
+        self._managed = None  # fault tolerance: the ManagedReplicas that decide who the replicas are each step
         if mesh is not None:
             self.attach(mesh, replicate_dim)
 
@@ -161,8 +179,29 @@ class FlexDeMo(torch.optim.Optimizer):
         self._topology = topology
         self._store = StateStore(topology)
 
+    def attach_managed(self, replicas) -> None:
+        """Exchange with the live nodes of a torchft quorum (:class:`hf_flexdemo.fault_tolerance.ManagedReplicas`).
+
+        Each node is its own job: parameters are FSDP2-sharded over the node's processes (or
+        plain tensors with one process per node), and each node checkpoints its own state.
+        Every step joins the quorum (if the caller has not yet, see ``begin()``), exchanges
+        over its live replicas, and applies the update only if the node commits the step.
+        """
+        if self._topology is not None and self._topology.is_replicated:
+            raise RuntimeError(
+                "FlexDeMo: attach_managed() on an optimizer that already replicates over a device mesh dimension; "
+                "with fault tolerance each node is its own job (one node per launch, no dp_replicate dimension)."
+            )
+        if self._store is None:
+            self._set_topology(ReplicaTopology.single())
+        self._managed = replicas
+        replicas.register("flexdemo_optimizer", self.replica_state, self.load_replica_state)
+        replicas.describe("flexdemo", self._describe_layout)
+
     @property
     def topology(self) -> ReplicaTopology:
+        if self._managed is not None:
+            return self._managed.topology()
         if self._topology is None:
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             if world > 1 and self.scheme.collective is not Collective.NONE:
@@ -177,7 +216,21 @@ class FlexDeMo(torch.optim.Optimizer):
 
     @property
     def is_attached(self) -> bool:
-        return self._topology is not None
+        return self._topology is not None or self._managed is not None
+
+    @property
+    def managed(self):
+        """The :class:`~hf_flexdemo.fault_tolerance.ManagedReplicas` this optimizer exchanges through, or None."""
+        return self._managed
+
+    def begin_step(self) -> None:
+        """Fault tolerance: join this step's quorum now, before the forward pass (no-op otherwise).
+
+        A node that is behind then takes a peer's parameters before computing its gradient.
+        ``step()`` joins by itself if this was not called, one backward pass later.
+        """
+        if self._managed is not None:
+            self._managed.begin()
 
     # -- stepping ----------------------------------------------------------------------
 
@@ -211,10 +264,29 @@ class FlexDeMo(torch.optim.Optimizer):
         return True
 
     def _run(self, sync_only: bool) -> bool:
-        topology = self.topology
+        managed = self._managed
+        if self.config.fault_tolerant and managed is None:
+            raise RuntimeError(
+                "FlexDeMo: fault_tolerance='torchft' but no quorum is attached, so this node would train alone. "
+                "The Trainer and Accelerate attach it; in your own loop call "
+                "optimizer.attach_managed(hf_flexdemo.fault_tolerance.node_replicas(optimizer.config))."
+            )
+        creating_state = managed is not None and not self.state and self._is_state_creation()
+        if managed is None:
+            self.topology  # noqa: B018  (decides the topology and state layout on first use)
         slots = self._slots(with_grads=not sync_only)
         if not slots:
             return False
+        in_round = managed is not None and not creating_state
+        if in_round:
+            if sync_only and ("step" not in slots[0].state or not self._needs_sync(slots)):
+                return False
+            if managed.begin() and not sync_only:
+                # The round opened here, after the backward pass, and replaced the parameters: this
+                # gradient belongs to the old ones, so the step folds in nothing.
+                for slot in slots:
+                    slot.grad = torch.zeros_like(slot.param)
+        topology = ReplicaTopology.single() if creating_state else self.topology
         if "step" not in slots[0].state:
             self._start(slots)
         if not sync_only:
@@ -222,7 +294,7 @@ class FlexDeMo(torch.optim.Optimizer):
             for slot in slots:
                 slot.state.raw["step"] += 1
         step = int(slots[0].state.raw["step"])
-        if sync_only and not self.scheme.needs_sync(slots[0].state, step):
+        if sync_only and not in_round and not self._needs_sync(slots):
             return False
         ctx = StepContext(
             step=step,
@@ -236,13 +308,16 @@ class FlexDeMo(torch.optim.Optimizer):
                 if self._verify_state:
                     self.scheme.check_state(slot)
             self._verify_state = False
+        undo = _snapshot(slots, undo_step=not sync_only) if in_round else None
+        if not sync_only:
             for slot in slots:
                 wd = slot.group["weight_decay"]
                 if wd:
                     slot.param.mul_(1 - slot.group["lr"] * wd)
         payloads = [self.scheme.local_step(slot, ctx) for slot in slots]
         overlap = self.config.overlap and ctx.replicate and not sync_only
-        in_flight = self._start_exchange(slots, payloads, ctx, async_op=overlap)
+        in_flight = self._start_exchange(slots, payloads, ctx, async_op=overlap, topology=topology)
+        in_flight.undo = undo
         if overlap:
             self._pending = in_flight
         else:
@@ -251,9 +326,23 @@ class FlexDeMo(torch.optim.Optimizer):
 
     def _finish(self, job: _InFlight) -> None:
         received, stats = job.exchange.wait()
+        if job.undo is not None and not self._managed.commit():
+            _restore(job.undo)  # the step did not happen, on this node or any other
+            return
         for slot, part in zip(job.slots, self._split(received, job)):
             self.scheme.apply(slot, part, job.ctx)
         self._count(job, stats)
+
+    def _needs_sync(self, slots: list[ParamSlot]) -> bool:
+        return self.scheme.needs_sync(slots[0].state, int(slots[0].state.raw["step"]))
+
+    def _is_state_creation(self) -> bool:
+        """torch's distributed checkpoint creates state with one step of lr 0 and zero gradients: under a
+        quorum that step stays local (it moves nothing), so loading a checkpoint does not start a round."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        return all(float(group["lr"]) == 0.0 for group in self.param_groups) and all(
+            p.grad is None or not bool(local_tensor(p.grad).any()) for p in params
+        )
 
     def _slots(self, with_grads: bool) -> list[ParamSlot]:
         slots = []
@@ -280,6 +369,10 @@ class FlexDeMo(torch.optim.Optimizer):
         """First step: check the layout and that every replica starts from the same parameters."""
         params = [slot.state.param for slot in slots]
         self._check_layout(params)
+        if self._managed is not None:  # torchft's first quorum copies the first node's state to the others
+            for slot in slots:
+                slot.state.raw["step"] = torch.zeros((), dtype=torch.int64)
+            return
         prints = replica_fingerprints(params, self.topology)
         if len(set(prints)) > 1:
             logger.warning(
@@ -292,7 +385,7 @@ class FlexDeMo(torch.optim.Optimizer):
             slot.state.raw["step"] = torch.zeros((), dtype=torch.int64)
 
     def _check_layout(self, params: list[torch.Tensor]) -> None:
-        topo = self.topology
+        topo = self._topology or self.topology
         for p in params:
             if isinstance(p, DTensor):
                 names = p.device_mesh.mesh_dim_names or ()
@@ -311,7 +404,12 @@ class FlexDeMo(torch.optim.Optimizer):
                 )
 
     def _start_exchange(
-        self, slots: list[ParamSlot], payloads: list[list[torch.Tensor]], ctx: StepContext, async_op: bool
+        self,
+        slots: list[ParamSlot],
+        payloads: list[list[torch.Tensor]],
+        ctx: StepContext,
+        async_op: bool,
+        topology: ReplicaTopology,
     ) -> _InFlight:
         """Start the step's one packed collective."""
         flat = [t for payload in payloads for t in payload]
@@ -323,9 +421,9 @@ class FlexDeMo(torch.optim.Optimizer):
         if not ctx.replicate or kind is Collective.NONE or not flat:
             exchange = Exchange.done(None)
         elif kind is Collective.ALL_GATHER:
-            exchange = all_gather_packed(flat, self.topology, async_op=async_op)
+            exchange = all_gather_packed(flat, topology, async_op=async_op)
         else:
-            exchange = all_reduce_mean_packed(flat, self.topology, async_op=async_op)
+            exchange = all_reduce_mean_packed(flat, topology, async_op=async_op)
         grad_bytes = [nbytes(slot.grad) if slot.grad is not None else 0 for slot in slots]
         for slot in slots:
             slot.grad = None  # folded into the state: do not hold gradients through the next step
@@ -344,16 +442,19 @@ class FlexDeMo(torch.optim.Optimizer):
     # -- counters ----------------------------------------------------------------------
 
     def _count(self, job: _InFlight, stats: CommStats) -> None:
-        """Add the step's bytes on the host; they reach the state tensors at the next read or save."""
-        dense = 0
+        """Add the step's bytes on the host; they reach the state tensors at the next read or save.
+
+        Counted per step with that step's number of replicas (a quorum's size can change).
+        """
+        dense, replicas = 0, job.ctx.replicas
         for slot, payload, seen in zip(job.slots, job.payloads, job.grad_bytes):
             slot.state.counters(COUNTERS, 2)  # created with the rest of the state, for checkpoints
-            sent = sum(nbytes(t) for t in payload) if job.ctx.replicate else 0
+            sent = self._wire_bytes(sum(nbytes(t) for t in payload), replicas) if job.ctx.replicate else 0
             pending = self._uncounted.setdefault(slot.state.param, [0, 0])
             pending[0] += sent
-            pending[1] += seen
+            pending[1] += ring_all_reduce_bytes(seen, replicas)
             dense += seen
-        stats.dense_bytes = ring_all_reduce_bytes(dense, self.topology.size)
+        stats.dense_bytes = ring_all_reduce_bytes(dense, replicas)
         self.last_step_stats = stats
 
     def _flush_counters(self) -> None:
@@ -366,16 +467,14 @@ class FlexDeMo(torch.optim.Optimizer):
     def total_stats(self) -> CommStats:
         """Cumulative inter-node bytes of this process (restored with the optimizer state)."""
         self._flush_counters()
-        payload = seen = 0
+        moved = dense = 0
         for group in self.param_groups:
             for p in group["params"]:
                 if COUNTERS in self.state.get(p, {}):
-                    sent_p, seen_p = (int(x) for x in local_tensor(self.state[p][COUNTERS]).reshape(2).tolist())
-                    payload += sent_p
-                    seen += seen_p
-        replicas = self.topology.size if self._topology is not None else 1
-        moved = self._wire_bytes(payload, replicas)
-        return CommStats(bytes_sent=moved, bytes_received=moved, dense_bytes=ring_all_reduce_bytes(seen, replicas))
+                    sent_p, dense_p = (int(x) for x in local_tensor(self.state[p][COUNTERS]).reshape(2).tolist())
+                    moved += sent_p
+                    dense += dense_p
+        return CommStats(bytes_sent=moved, bytes_received=moved, dense_bytes=dense)
 
     def _wire_bytes(self, payload: int, replicas: int) -> int:
         if replicas == 1 or self.scheme.collective is Collective.NONE:
@@ -387,9 +486,57 @@ class FlexDeMo(torch.optim.Optimizer):
     # -- replicas ----------------------------------------------------------------------
 
     def replica_fingerprints(self) -> list[int]:
-        """Checksums of this process's parameter shards on every replica (a collective)."""
+        """Checksums of this process's parameter shards on every replica (a collective).
+
+        Under a quorum: on the live replicas that committed the most steps (one that missed a
+        commit heals at its next quorum), or ``[]`` if the comparison itself failed.
+        """
         params = [p for group in self.param_groups for p in group["params"]]
+        if self._managed is not None:
+            return self._managed.fingerprints_of_leaders(parameter_fingerprint(params))
         return replica_fingerprints(params, self.topology)
+
+    # -- fault tolerance: what a healing node copies -------------------------------------
+
+    def _ordered_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def replica_state(self) -> dict[str, Any]:
+        """Copies of what must be equal on every replica: parameters, step counts, the scheme's shared state."""
+        keep = ("step", *self.scheme.shared_keys)
+        return {
+            "params": [local_tensor(p).detach().clone() for p in self._ordered_params()],
+            "state": [
+                {k: local_tensor(v).clone() for k, v in self.state.get(p, {}).items() if k in keep}
+                for p in self._ordered_params()
+            ],
+        }
+
+    def load_replica_state(self, peer: dict[str, Any]) -> None:
+        """Take a peer's parameters and shared state; this replica's own momentum stays (see fault_tolerance)."""
+        self._pending = None
+        for p, value, state in zip(self._ordered_params(), peer["params"], peer["state"]):
+            local_tensor(p).data.copy_(value)
+            mine = StateView(self._store, p, local_tensor(p), self.state[p])
+            for key, peer_value in state.items():
+                if key in self.state[p]:
+                    local_tensor(self.state[p][key]).copy_(peer_value)
+                elif peer_value.shape == local_tensor(p).shape:  # laid out like the parameter
+                    mine.shared(key, lambda v=peer_value: v.clone())
+                else:  # a count
+                    self.state[p][key] = peer_value.clone()
+        self._verify_state = True
+
+    def _describe_layout(self) -> dict[str, Any]:
+        """Settings and shapes every node must share, compared when a node first meets the others."""
+        local_only = ("ft_timeout", "quorum_timeout")
+        settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in local_only}
+        return {
+            "settings": settings,
+            "parameter_shapes": [tuple(p.shape) for p in self._ordered_params()],
+            "local_shapes": [tuple(local_tensor(p).shape) for p in self._ordered_params()],
+            "processes_per_node": dist.get_world_size() if dist.is_initialized() else 1,
+        }
 
     @property
     def replicas_should_match(self) -> bool:
@@ -423,6 +570,26 @@ class FlexDeMo(torch.optim.Optimizer):
                 current = self.state[p].get(key)
                 if torch.is_tensor(value) and torch.is_tensor(current) and value.dtype != current.dtype:
                     self.state[p][key] = value.to(device=current.device, copy=True)
+
+
+def _snapshot(slots: list[ParamSlot], undo_step: bool) -> list:
+    """Copies of what a step changes before its exchange: parameters (weight decay, DiLoCo's inner
+    step) and every state tensor (momentum, Adam moments)."""
+    saved = []
+    for slot in slots:
+        tensors = {k: local_tensor(v).clone() for k, v in slot.state.raw.items() if torch.is_tensor(v)}
+        if undo_step:
+            tensors["step"] = tensors["step"] - 1  # taken after the step count moved on
+        saved.append((slot, slot.param.clone(), tensors))
+    return saved
+
+
+def _restore(saved: list) -> None:
+    for slot, param, tensors in saved:
+        slot.param.copy_(param)
+        for key, value in tensors.items():
+            local_tensor(slot.state.raw[key]).copy_(value)
+        slot.carried = None
 
 
 def unwrap_flexdemo(optimizer) -> FlexDeMo | None:

@@ -63,6 +63,8 @@ class ReplicationScheme(ABC):
 
     name: str
     collective: Collective
+    shared_keys: tuple[str, ...] = ()
+    """State entries equal on every replica: a node that heals copies them from a peer (besides ``step``)."""
 
     def __init__(self, config: FlexDeMoConfig):
         self.config = config

@@ -28,6 +28,7 @@ from .momentum import momentum_dtype
 class DiLoCoScheme(ReplicationScheme):
     name = "diloco"
     collective = Collective.ALL_REDUCE
+    shared_keys = ("anchor", "outer_momentum", "last_outer_step")
 
     def is_replication_step(self, step: int, forced: bool = False) -> bool:
         return forced or step % self.config.inner_steps == 0

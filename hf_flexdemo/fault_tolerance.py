@@ -1,0 +1,452 @@
+"""Live fault tolerance across nodes on torchft: a lost node never stops the others.
+
+With ``fault_tolerance="torchft"`` each node (one replica: FSDP2 inside it) is its own job.
+Every step, each process's torchft ``Manager`` joins a quorum of the live nodes through the
+Lighthouse, and the replicate exchange runs on a torchft process group rebuilt for that
+quorum. One step, as seen from one process::
+
+    begin()    quorum of live nodes; a node that is behind (new, relaunched, or one that
+               missed a commit) first copies the state a healthy peer serves
+    exchange   FlexDeMo's one packed collective, over the live replicas only
+    commit()   every process of the node votes; a step whose exchange failed anywhere in
+               the node is not applied (the optimizer restores what it had changed)
+
+Replicas never diverge: torchft counts committed steps, and a node with fewer commits than
+the most advanced one heals from it at its next quorum.
+
+What a healing node copies (:meth:`ManagedReplicas.register`): the parameters and the
+state that must match across replicas (the optimizer's step count, DiLoCo's anchor and
+outer momentum, and with the Trainer the global step and scheduler position). Its own
+momentum is kept (zeros for a new node): DeMo momentum is per replica by design, and a
+peer's holds the peer's unsent residual, which would be sent twice.
+
+torchft is imported only when a :class:`ManagedReplicas` is built, never on the default path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
+
+from .config import FlexDeMoConfig
+from .topology import ReplicaTopology
+
+logger = logging.getLogger(__name__)
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
+REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"
+WAIT_NOTICE_S = 5.0
+"""How often a node waiting for its quorum says so, and who is missing."""
+MAX_UNCOMMITTED = 10
+"""Steps in a row a node may fail to commit before it stops (a streak means the quorum cannot work)."""
+NODE_STATE_KEY = "flexdemo_node"
+"""The first entry of the state a healing node receives: the peer's settings, checked before anything loads."""
+
+
+class FaultToleranceError(RuntimeError):
+    """The quorum of nodes cannot go on: Lighthouse lost, too few nodes, or a node that does not fit."""
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """Which node this is, and where the Lighthouse is: read from the environment, as torchft jobs set it."""
+
+    lighthouse: str
+    replica_group: int
+    replica_groups: int
+
+    @classmethod
+    def from_env(cls, min_replicas: int = 1, environ: dict[str, str] | None = None) -> NodeIdentity:
+        env = os.environ if environ is None else environ
+        lighthouse = env.get(LIGHTHOUSE_ENV, "")
+        if not lighthouse:
+            raise ValueError(
+                f"fault_tolerance='torchft' needs the Lighthouse address in {LIGHTHOUSE_ENV} (unset). Start one with "
+                f"`torchft_lighthouse --min_replicas 1 --bind [::]:29510` and write "
+                f"{LIGHTHOUSE_ENV}=http://<its host>:29510 in every node's environment."
+            )
+        if not re.match(r"^https?://", lighthouse):
+            raise ValueError(
+                f"{LIGHTHOUSE_ENV}={lighthouse!r} is not an address torchft can reach; write it as "
+                "http://<host>:<port>, e.g. http://10.0.0.1:29510."
+            )
+        groups = _env_int(env, REPLICA_GROUPS_ENV, "the number of nodes the job may have (fixes the data split)", 1)
+        group = _env_int(env, REPLICA_GROUP_ENV, f"this node's index, 0 to {REPLICA_GROUPS_ENV} - 1", 0)
+        if group >= groups:
+            raise ValueError(
+                f"{REPLICA_GROUP_ENV}={group} is invalid with {REPLICA_GROUPS_ENV}={groups}; it must be in "
+                f"[0, {groups - 1}]. Give every node its own index."
+            )
+        if min_replicas > groups:
+            raise ValueError(
+                f"min_replicas={min_replicas} is more than {REPLICA_GROUPS_ENV}={groups} nodes: no step could ever "
+                f"commit. Lower min_replicas or raise {REPLICA_GROUPS_ENV}."
+            )
+        return cls(lighthouse=lighthouse, replica_group=group, replica_groups=groups)
+
+    @property
+    def name(self) -> str:
+        return f"node{self.replica_group}"
+
+
+def _env_int(env, key: str, meaning: str, low: int) -> int:
+    raw = env.get(key)
+    if raw is None or not raw.strip().isdigit() or int(raw) < low:
+        raise ValueError(
+            f"fault_tolerance='torchft' needs {key}: {meaning}, an integer >= {low} (got {raw!r}). "
+            f"Set it in each node's environment, e.g. {key}={low}."
+        )
+    return int(raw)
+
+
+def import_torchft():
+    try:
+        import torchft
+        import torchft.manager
+        import torchft.process_group
+    except ImportError as e:
+        raise FaultToleranceError(
+            "fault_tolerance='torchft' needs the torchft package, which is not installed "
+            f"({e}). Install it with `pip install 'hf-flexdemo[torchft]'` (torchft 0.2.0)."
+        ) from e
+    return torchft
+
+
+def lighthouse_status(address: str, timeout: float = 2.0) -> str:
+    """The Lighthouse's own account of the next quorum, and who heartbeats (its /status page), in one line."""
+    try:
+        with urllib.request.urlopen(f"{address.rstrip('/')}/status", timeout=timeout) as reply:
+            page = reply.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"the Lighthouse at {address} does not answer ({e})"
+    status = re.search(r"Next quorum status:\s*([^<]*)", page)
+    text = status.group(1).strip() if status else "no quorum status on its page"
+    previous = page.split("Previous Quorum", 1)[-1].split("Heartbeats", 1)[0]
+    beats = re.findall(r'<li class="heartbeat\s*(old)?\s*">\s*(node\d+):', page.split("Heartbeats", 1)[-1])
+    last = sorted(set(re.findall(r"(node\d+):", previous)))
+    alive = sorted({node for old, node in beats if not old})  # "old": not seen within the heartbeat timeout
+    missing = [n for n in last if n not in alive]
+    return f"{text}; last quorum {last or '[]'}, heartbeating {alive or '[]'}, missing {missing or '[]'}"
+
+
+@dataclass(frozen=True)
+class ManagedTopology(ReplicaTopology):
+    """The replicas of one step's quorum: collectives run on torchft's process group, errors are reported."""
+
+    replicas: ManagedReplicas | None = None
+
+    @property
+    def is_managed(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return self.replicas.device
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
+        return self.replicas.all_gather_into(output, tensor)
+
+    def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False):
+        return self.replicas.all_reduce_sum(tensor)
+
+
+class _ReportedWork:
+    """A collective whose failure is reported to the manager (the step will not commit) instead of raised."""
+
+    def __init__(self, work, replicas: ManagedReplicas):
+        self._work, self._replicas = work, replicas
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        try:
+            self._work.wait()
+        except Exception as e:  # a peer died or timed out mid-exchange
+            self._replicas.report(e)
+
+
+class ManagedReplicas:
+    """This process's membership in the quorum of nodes (one torchft ``Manager``).
+
+    Build one per process, after ``torch.distributed`` is initialised for the node's own
+    processes (FSDP2 inside the node); the node's rank 0 talks to the Lighthouse.
+
+    Args:
+        config: the optimizer's settings (``min_replicas``, ``ft_timeout``, ``quorum_timeout``).
+        identity: the Lighthouse address and this node's index (default: from the environment).
+        device: where exchanges run (``cuda`` uses torchft's NCCL group, otherwise gloo).
+    """
+
+    def __init__(self, config: FlexDeMoConfig, identity: NodeIdentity | None = None, device=None):
+        torchft = import_torchft()
+        self.config = config
+        self.identity = identity or NodeIdentity.from_env(config.min_replicas)
+        self.device = torch.device(device or "cpu")
+        self._round_open = False
+        self._met = False  # whether a quorum has formed yet
+        self._uncommitted = 0  # steps in a row not committed
+        self._healed = False
+        self._describers: dict[str, Callable[[], Any]] = {}
+        timeout = timedelta(seconds=config.ft_timeout)
+        group_class = (
+            torchft.process_group.ProcessGroupNCCL
+            if self.device.type == "cuda"
+            else torchft.process_group.ProcessGroupGloo
+        )
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        store_addr = store_port = None
+        if "MASTER_ADDR" not in os.environ:  # one process, not launched by torchrun: the manager needs a store
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "127.0.0.1", self._store.port
+        self._group = group_class(timeout=timeout)
+        try:
+            self.manager = torchft.manager.Manager(
+                pg=self._group,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=config.min_replicas,
+                use_async_quorum=False,  # heal before the forward pass: the step's gradient is the healed model's
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=config.quorum_timeout),
+                connect_timeout=timeout,
+                rank=rank,
+                world_size=world,
+                store_addr=store_addr,
+                store_port=store_port,
+                lighthouse_addr=self.identity.lighthouse,
+                replica_id=self.identity.name,
+                init_sync=True,  # step 0: every node starts from the first node's parameters
+            )
+        except Exception as e:
+            raise FaultToleranceError(
+                f"FlexDeMo fault tolerance: {self.identity.name} could not join the Lighthouse at "
+                f"{LIGHTHOUSE_ENV}={self.identity.lighthouse} within ft_timeout={config.ft_timeout:g} s: {e}. Check "
+                "that torchft_lighthouse runs there and that this node can reach it."
+            ) from e
+        # Registered first, so a healing node checks the peer's settings before loading anything.
+        self.manager.register_state_dict_fn(NODE_STATE_KEY, self._check_peer, self._describe)
+        logger.info(
+            "FlexDeMo fault tolerance: %s (rank %d of %d) joined the Lighthouse at %s; min_replicas=%d.",
+            self.identity.name,
+            rank,
+            world,
+            self.identity.lighthouse,
+            config.min_replicas,
+        )
+
+    # -- what a healing node receives ---------------------------------------------------
+
+    def register(self, key: str, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """Serve ``state()`` to nodes that heal from this one; ``load`` applies a peer's on this node.
+
+        ``state()`` must return copies: torchft serves it while this node trains on.
+        """
+
+        def load_and_mark(value: Any) -> None:
+            try:
+                load(value)
+            except FaultToleranceError:
+                raise
+            except Exception as e:
+                raise FaultToleranceError(
+                    f"FlexDeMo fault tolerance: {self.identity.name} could not take the live state ({key!r}) of a "
+                    f"peer: {type(e).__name__}: {e}"
+                ) from e
+            self._healed = True
+
+        self.manager.register_state_dict_fn(key, load_and_mark, state)
+
+    def describe(self, part: str, describe: Callable[[], Any]) -> None:
+        """What must be equal on every node (settings, shapes): compared when a node first takes a peer's state."""
+        self._describers[part] = describe
+
+    def _describe(self) -> dict[str, Any]:
+        return {part: fn() for part, fn in self._describers.items()} | {"node": self.identity.name}
+
+    def _check_peer(self, peer: dict[str, Any]) -> None:
+        ours, theirs = _flatten(self._describe()), _flatten(peer)
+        differ = [
+            f"{key}: {peer.get('node')} has {theirs.get(key)!r}, this node {ours.get(key)!r}"
+            for key in sorted(set(ours) | set(theirs))
+            if key != "node" and ours.get(key) != theirs.get(key)
+        ]
+        if differ:
+            raise FaultToleranceError(
+                f"FlexDeMo fault tolerance: {self.identity.name} does not fit the running job and stops before "
+                f"loading anything; launch it with the same settings and model as the others. Differences: "
+                + "; ".join(differ)
+            )
+
+    # -- one step --------------------------------------------------------------------------
+
+    def begin(self) -> bool:
+        """Join this step's quorum (no-op if open); returns True if this call copied a peer's state."""
+        if self._round_open:
+            return False
+        self._healed = False
+        done = threading.Event()
+        watcher = threading.Thread(target=self._say_while_waiting, args=(done,), daemon=True)
+        watcher.start()
+        try:
+            self.manager.start_quorum()
+        except FaultToleranceError:
+            raise
+        except Exception as e:
+            raise FaultToleranceError(
+                f"FlexDeMo fault tolerance: {self.identity.name} got no quorum of min_replicas="
+                f"{self.config.min_replicas} live nodes within quorum_timeout={self.config.quorum_timeout:g} s "
+                f"({type(e).__name__}: {e}). {lighthouse_status(self.identity.lighthouse)}. Stopping; every "
+                "completed checkpoint is whole."
+            ) from e
+        finally:
+            done.set()
+        self._round_open = self._met = True
+        if self._healed:
+            logger.warning(
+                "FlexDeMo fault tolerance: %s took the parameters and training position from a live peer "
+                "(%d steps committed by the quorum) and trains on from there.",
+                self.identity.name,
+                self.manager.current_step(),
+            )
+        return self._healed
+
+    def _say_while_waiting(self, done: threading.Event) -> None:
+        started = time.monotonic()
+        while not done.wait(WAIT_NOTICE_S):
+            logger.warning(
+                "FlexDeMo fault tolerance: %s has waited %.0f s for a quorum of min_replicas=%d live nodes "
+                "(stops after quorum_timeout=%g s). %s.",
+                self.identity.name,
+                time.monotonic() - started,
+                self.config.min_replicas,
+                self.config.quorum_timeout,
+                lighthouse_status(self.identity.lighthouse),
+            )
+
+    def commit(self) -> bool:
+        """Every process of the node agrees whether the step stands; False: undo it."""
+        self._round_open = False
+        error = self.manager.errored()
+        live = self.manager.num_participants()
+        committed = self.manager.should_commit()
+        if committed:
+            self._uncommitted = 0
+            return True
+        self._uncommitted += 1
+        if error:
+            why = f"its exchange failed: {error.original_exception}"
+        elif live < self.config.min_replicas:
+            why = f"{live} live node(s), fewer than min_replicas={self.config.min_replicas}"
+        else:
+            why = "another process of this node failed the step"
+        if self._uncommitted > MAX_UNCOMMITTED:
+            raise FaultToleranceError(
+                f"FlexDeMo fault tolerance: {self.identity.name} could not commit {self._uncommitted} steps in a row "
+                f"(last: {why}). If too few nodes are live, start the Lighthouse with --min_replicas "
+                f"{self.config.min_replicas} (the job's min_replicas) so that nodes wait for a quorum instead. "
+                f"{lighthouse_status(self.identity.lighthouse)}."
+            )
+        logger.warning(
+            "FlexDeMo fault tolerance: %s did not commit this step (%s); the step is undone on this node (its batch "
+            "is skipped) and training goes on.",
+            self.identity.name,
+            why,
+        )
+        return False
+
+    def report(self, error: Exception) -> None:
+        self.manager.report_error(error)
+
+    @property
+    def step(self) -> int:
+        """Steps committed by the quorum so far."""
+        return self.manager.current_step()
+
+    def topology(self) -> ManagedTopology:
+        """The replicas of the current (or, between steps, the last) quorum."""
+        if not self._met:
+            return ManagedTopology(group=None, size=1, rank=0, replicas=self)
+        rank = self.manager.participating_rank()
+        return ManagedTopology(group=None, size=self.manager.num_participants(), rank=rank or 0, replicas=self)
+
+    def fingerprints_of_leaders(self, fingerprint: torch.Tensor) -> list[int]:
+        """Parameter checksums of the last quorum's nodes that committed the most steps ([] if it failed).
+
+        A node that missed a commit differs on purpose until its next quorum heals it.
+        """
+        topology = self.topology()
+        if topology.size == 1:
+            return [int(fingerprint)]
+        mine = torch.tensor([self.step, int(fingerprint)], dtype=torch.int64, device=self.device)
+        gathered = torch.zeros(2 * topology.size, dtype=torch.int64, device=self.device)
+        self.all_gather_into(gathered, mine).wait()
+        if self.manager.errored():
+            return []
+        pairs = gathered.view(-1, 2).tolist()
+        lead = max(step for step, _ in pairs)
+        return [value for step, value in pairs if step == lead]
+
+    # -- collectives on the quorum's process group ---------------------------------------
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor) -> _ReportedWork:
+        if self.manager.errored():
+            return _ReportedWork(None, self)
+        size = output.numel() // max(tensor.numel(), 1)
+        parts = list(output.view(size, -1).unbind(0)) if tensor.numel() else [output] * size
+        try:
+            work = self._group.allgather([parts], [tensor.view(-1)], AllgatherOptions())
+        except Exception as e:
+            self.report(e)
+            return _ReportedWork(None, self)
+        return _ReportedWork(work, self)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> _ReportedWork:
+        if self.manager.errored():
+            return _ReportedWork(None, self)
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp.SUM
+        try:
+            work = self._group.allreduce([tensor], options)
+        except Exception as e:
+            self.report(e)
+            return _ReportedWork(None, self)
+        return _ReportedWork(work, self)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``, so that a difference is named to the setting."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+_NODE: ManagedReplicas | None = None
+
+
+def node_replicas(config: FlexDeMoConfig, device=None) -> ManagedReplicas:
+    """This process's one :class:`ManagedReplicas` (a process belongs to one quorum), built on first use."""
+    global _NODE
+    if _NODE is None:
+        _NODE = ManagedReplicas(config, device=device)
+    return _NODE

@@ -1,0 +1,141 @@
+"""A real torchft Lighthouse and fault-tolerant nodes, each its own `accelerate launch`, for tests.
+
+Every node runs in its own session, so that one SIGKILL of its process group takes down
+the launcher and every worker of the node at once, as when a machine is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from .accelerate_runs import launch_command
+from .launch import TESTS_DIR, child_env
+
+WORKER = str(TESTS_DIR / "workers" / "ft_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Lighthouse:
+    """``torchft_lighthouse`` started as its users start it, on a free loopback port."""
+
+    def __init__(self, log: Path, min_replicas: int = 1, heartbeat_timeout_ms: int = 1500, join_timeout_ms: int = 2000):
+        self.port = free_port()
+        self.address = f"http://127.0.0.1:{self.port}"
+        binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--min_replicas", str(min_replicas),
+                "--bind", f"127.0.0.1:{self.port}",
+                "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
+                "--join_timeout_ms", str(join_timeout_ms),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        wait_until(lambda: port_open(self.port), 20, "the Lighthouse to listen")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_until(condition, timeout: float, what: str, every: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+def kill_node(launcher_pid: int) -> None:
+    """SIGKILL a launcher and all its descendants at once (torchrun starts workers in sessions of their own)."""
+    launcher = psutil.Process(launcher_pid)
+    for process in [launcher, *launcher.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGKILL)
+
+
+class Node:
+    """One node: `accelerate launch` of the worker with this node's REPLICA_GROUP_ID."""
+
+    def __init__(self, index: int, nodes: int, lighthouse: str, output_dir: Path, *flags: str, config: str, launch=()):
+        self.index, self.output_dir = index, output_dir
+        self.dir = output_dir / f"node{index}"
+        self.command = launch_command(
+            "--main_process_port",
+            str(free_port()),
+            *launch,
+            WORKER,
+            "--output_dir",
+            str(output_dir),
+            *flags,
+            config=config,
+        )
+        self.env = child_env(TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=str(index), NUM_REPLICA_GROUPS=str(nodes))
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        self.log_path = self.output_dir / f"node{self.index}_launch{self.starts}.log"
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.started_at = time.time()
+        with self.log_path.open("w") as log:
+            self.proc = subprocess.Popen(
+                self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def kill(self) -> float:
+        """SIGKILL the launcher and every worker of the node; returns when it happened."""
+        when = time.time()
+        kill_node(self.proc.pid)
+        self.proc.wait()
+        return when
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_node(self.proc.pid)
+            raise AssertionError(f"node{self.index} did not finish in {timeout:.0f} s:\n{self.log()[-6000:]}") from None
+
+    def log(self) -> str:
+        """Everything the node's launch printed (the latest launch)."""
+        return self.log_path.read_text()
+
+    def progress(self, rank: int = 0) -> list[dict]:
+        path = self.dir / f"progress_rank{rank}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def step(self) -> int:
+        lines = self.progress()
+        return lines[-1]["step"] if lines else 0
+
+    def result(self, rank: int) -> dict:
+        return json.loads((self.dir / f"result_rank{rank}.json").read_text())

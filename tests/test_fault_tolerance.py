@@ -1,0 +1,297 @@
+"""Live fault tolerance on torchft: real Lighthouse, one `accelerate launch` per node, real SIGKILLs.
+
+Each node is its own job (tests/workers/ft_worker.py: the stock Trainer with
+``optim_args=...,fault_tolerance=torchft``) and the nodes meet through a
+``torchft_lighthouse`` started as its users start it. A lost node is its whole process
+group SIGKILLed (launcher and workers), as when a machine disappears.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from support.ft_nodes import Lighthouse, Node, free_port, wait_until
+from support.launch import child_env
+
+from hf_flexdemo.config import FlexDeMoConfig
+from hf_flexdemo.fault_tolerance import NodeIdentity
+
+pytest.importorskip("torchft", reason="torchft is part of the test install (setup.cfg [test])")
+
+TINY = (
+    "--per_device_train_batch_size 4 --learning_rate 1e-3 --logging_steps 5 --report_to none --seed 7 "
+    "--save_strategy no --optim flexdemo"
+).split()
+
+
+def ft_args(extra: str = "", timeout: float = 10, quorum_timeout: float = 60) -> list[str]:
+    return [
+        "--optim_args",
+        f"topk=8,chunk=16,fault_tolerance=torchft,ft_timeout={timeout},quorum_timeout={quorum_timeout}{extra}",
+    ]
+
+
+@pytest.fixture
+def lighthouse(tmp_path):
+    house = Lighthouse(tmp_path / "lighthouse.log")
+    yield house
+    house.stop()
+
+
+def nodes_of(count: int, lighthouse: Lighthouse, out, *flags: str, processes: int = 2, extra=None) -> list[Node]:
+    launch = ("--num_processes", str(processes))
+    return [
+        Node(
+            i,
+            count,
+            lighthouse.address,
+            out,
+            *flags,
+            *(extra or {}).get(i, ()),
+            config="cpu_ft_node.yaml",
+            launch=launch,
+        )
+        for i in range(count)
+    ]
+
+
+def finish(nodes: list[Node], timeout: float = 300) -> None:
+    for node in nodes:
+        code = node.wait(timeout)
+        assert code == 0, f"node{node.index} exited with {code}:\n{node.log()[-6000:]}"
+
+
+def losses_fell(result: dict) -> bool:
+    values = [loss for _, loss in result["losses"]]
+    return values[-1] < values[0]
+
+
+# -- a lost node, and its return --------------------------------------------------------------
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("scheme", ["demo", "diloco"])
+def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, scheme):
+    extra = ",inner_steps=4" if scheme == "diloco" else ""
+    flags = [*TINY, "--max_steps", "100", "--step_delay", "0.15", *ft_args(f",scheme={scheme}{extra}")]
+    nodes = nodes_of(2, lighthouse, tmp_path, *flags)
+    for node in nodes:
+        node.start()
+    wait_until(lambda: nodes[1].step() >= 8, 180, "both nodes to train")
+    killed_at = nodes[1].kill()
+    step_at_kill = nodes[0].step()
+
+    # The survivor trains on alone, without a restart.
+    wait_until(lambda: nodes[0].step() >= step_at_kill + 8, 60, "the survivor to keep stepping")
+    after = [p for p in nodes[0].progress() if p["time"] > killed_at]
+    assert after[0]["time"] - killed_at < 10, "the survivor's next commit came more than 10 s after the loss"
+    assert all(p["replicas"] == 1 for p in after[2:]), "the quorum did not shrink to the live node"
+
+    relaunched = time.time()
+    step_at_relaunch = nodes[0].step()
+    nodes[1].start()
+    finish(nodes)
+    rejoined = nodes[1].progress()
+    rejoined = rejoined[next(i for i, p in enumerate(rejoined) if p["time"] > relaunched) :]
+    assert rejoined[0]["step"] > step_at_relaunch, "the relaunched node started over instead of taking the live state"
+    assert rejoined[0]["replicas"] == 2
+    for rank in (0, 1):
+        survivor, returned = nodes[0].result(rank), nodes[1].result(rank)
+        assert survivor["fingerprint"] == returned["fingerprint"], f"rank {rank}: nodes end with different parameters"
+        assert survivor["global_step"] == returned["global_step"] == 100
+        assert losses_fell(survivor) and losses_fell(returned)
+    assert "took the parameters and training position from a live peer" in nodes[1].log()
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("scheme", ["demo", "random", "striding", "full", "diloco"])
+def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(lighthouse, tmp_path, scheme):
+    """Three single-process nodes; node 2 dies inside a collective of a step all three joined (step 10 on)."""
+    extra = ",inner_steps=5" if scheme == "diloco" else ""
+    flags = [*TINY, "--max_steps", "40", "--step_delay", "0.05", *ft_args(f",scheme={scheme}{extra}")]
+    nodes = nodes_of(3, lighthouse, tmp_path, *flags, processes=1, extra={2: ("--kill_node_in_exchange_at", "10")})
+    for node in nodes:
+        node.start()
+    finish(nodes[:2])
+    assert nodes[2].wait(60) != 0  # it killed itself
+    died_in = nodes[2].progress()[-1]["step"] + 1
+    for survivor in nodes[:2]:
+        at = {p["step"]: p for p in survivor.progress()}
+        assert at[died_in]["replicas"] == 3
+        assert at[died_in]["committed"] == at[died_in - 1]["committed"], "a step whose exchange lost a node committed"
+        after = at[died_in + 1]
+        assert after["replicas"] == 2 and after["committed"] == at[died_in - 1]["committed"] + 1
+    first, second = nodes[0].result(0), nodes[1].result(0)
+    assert first["fingerprint"] == second["fingerprint"]
+    assert first["committed"] == second["committed"]
+    assert losses_fell(first)
+
+
+@pytest.mark.multiprocess
+def test_scheme_none_trains_each_node_alone(lighthouse, tmp_path):
+    nodes = nodes_of(2, lighthouse, tmp_path, *TINY, "--max_steps", "6", *ft_args(",scheme=none"), processes=1)
+    for node in nodes:
+        node.start()
+    finish(nodes)
+    assert nodes[0].result(0)["fingerprint"] != nodes[1].result(0)["fingerprint"]  # by design
+
+
+# -- bad input and bad luck ----------------------------------------------------------------
+
+
+@pytest.mark.faults
+def test_an_unreachable_lighthouse_is_a_clear_error_within_the_timeout(tmp_path):
+    address = f"http://127.0.0.1:{free_port()}"
+    node = Node(0, 1, address, tmp_path, *TINY, "--max_steps", "4", *ft_args(timeout=3), config="cpu_ft_node.yaml")
+    started = time.time()
+    node.start()
+    assert node.wait(120) != 0
+    assert time.time() - started < 60
+    log = node.log()
+    assert "could not join the Lighthouse" in log and f"TORCHFT_LIGHTHOUSE={address}" in log
+
+
+@pytest.mark.faults
+def test_too_few_nodes_wait_visibly_then_stop_with_checkpoints_whole(tmp_path):
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=2)  # the job's min_replicas: nodes wait
+    flags = [*TINY, "--max_steps", "200", "--step_delay", "0.1", "--save_strategy", "steps", "--save_steps", "4"]
+    nodes = nodes_of(2, lighthouse, tmp_path, *flags, *ft_args(",min_replicas=2", quorum_timeout=12), processes=1)
+    for node in nodes:
+        node.start()
+    wait_until(lambda: nodes[1].step() >= 6, 180, "both nodes to train")
+    nodes[1].kill()
+    code = nodes[0].wait(90)
+    log = nodes[0].log()
+    assert code != 0
+    assert "has waited" in log and "min_replicas=2" in log and "missing ['node1']" in log
+    assert "got no quorum of min_replicas=2 live nodes within quorum_timeout=12 s" in log
+    from hf_flexdemo.integrations.checkpoints import checkpoints, incomplete_reason
+
+    saved = checkpoints(nodes[0].dir)
+    lighthouse.stop()
+    assert saved, "no checkpoint was written before the stop"
+    assert all(incomplete_reason(folder) is None for _, folder in saved)
+
+
+@pytest.mark.faults
+def test_a_lost_lighthouse_stops_the_nodes_with_its_address(lighthouse, tmp_path):
+    flags = [*TINY, "--max_steps", "400", "--step_delay", "0.1"]
+    nodes = nodes_of(2, lighthouse, tmp_path, *flags, *ft_args(quorum_timeout=10), processes=1)
+    for node in nodes:
+        node.start()
+    wait_until(lambda: nodes[0].step() >= 4, 180, "the nodes to train")
+    lighthouse.stop()
+    for node in nodes:
+        assert node.wait(120) != 0
+        assert lighthouse.address in node.log()
+
+
+@pytest.mark.faults
+def test_a_node_with_other_settings_is_refused_when_it_meets_the_others(lighthouse, tmp_path):
+    flags = [*TINY, "--max_steps", "150", "--step_delay", "0.1"]
+    nodes = nodes_of(2, lighthouse, tmp_path, *flags, processes=1)
+    nodes[0].command += ft_args()
+    nodes[1].command += ft_args(",topk=4")  # the later key wins: topk=4 on node 1
+    nodes[0].start()
+    wait_until(lambda: nodes[0].step() >= 2, 120, "node0 to train")
+    nodes[1].start()
+    assert nodes[1].wait(120) != 0
+    assert "flexdemo.settings.topk: node0 has 8, this node 4" in nodes[1].log()
+    finish(nodes[:1])  # the running node is not disturbed
+    assert nodes[0].result(0)["global_step"] == 150
+
+
+# -- settings, unit ----------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "environ,message",
+    [
+        ({}, "TORCHFT_LIGHTHOUSE (unset)"),
+        ({"TORCHFT_LIGHTHOUSE": "10.0.0.1:29510"}, "write it as http://<host>:<port>"),
+        ({"TORCHFT_LIGHTHOUSE": "http://h:1", "REPLICA_GROUP_ID": "0"}, "needs NUM_REPLICA_GROUPS"),
+        ({"TORCHFT_LIGHTHOUSE": "http://h:1", "NUM_REPLICA_GROUPS": "2"}, "needs REPLICA_GROUP_ID"),
+        (
+            {"TORCHFT_LIGHTHOUSE": "http://h:1", "NUM_REPLICA_GROUPS": "2", "REPLICA_GROUP_ID": "2"},
+            "REPLICA_GROUP_ID=2 is invalid with NUM_REPLICA_GROUPS=2",
+        ),
+    ],
+)
+def test_the_node_identity_is_checked_with_a_fix(environ, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        NodeIdentity.from_env(environ=environ)
+
+
+@pytest.mark.unit
+def test_min_replicas_above_the_node_count_and_overlap_are_refused():
+    env = {"TORCHFT_LIGHTHOUSE": "http://h:1", "NUM_REPLICA_GROUPS": "2", "REPLICA_GROUP_ID": "0"}
+    with pytest.raises(ValueError, match="min_replicas=3 is more than NUM_REPLICA_GROUPS=2"):
+        NodeIdentity.from_env(3, environ=env)
+    with pytest.raises(ValueError, match="overlap=True cannot be combined with fault_tolerance='torchft'"):
+        FlexDeMoConfig(fault_tolerance="torchft", overlap=True)
+    with pytest.raises(ValueError, match="fault_tolerance='on' is invalid"):
+        FlexDeMoConfig(fault_tolerance="on")
+
+
+@pytest.mark.unit
+def test_without_fault_tolerance_torchft_is_never_imported(tmp_path):
+    code = (
+        "import sys, hf_flexdemo, transformers, torch\n"
+        "from hf_flexdemo import FlexDeMo\n"
+        "m = torch.nn.Linear(8, 8)\n"
+        "opt = FlexDeMo(m.parameters(), topk=4, chunk=8)\n"
+        "m(torch.randn(2, 8)).sum().backward(); opt.step()\n"
+        "assert 'torchft' not in sys.modules, 'torchft imported on the default path'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env=child_env(), cwd=tmp_path, timeout=120)
+
+
+@pytest.mark.unit
+def test_the_torchft_api_we_use_is_where_we_call_it():
+    import inspect
+
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    params = inspect.signature(Manager.__init__).parameters
+    for name in (
+        "use_async_quorum",
+        "init_sync",
+        "min_replica_size",
+        "quorum_timeout",
+        "lighthouse_addr",
+        "replica_id",
+    ):
+        assert name in params, f"torchft Manager({name}=) moved"
+    for name in ("register_state_dict_fn", "start_quorum", "should_commit", "report_error", "errored", "current_step"):
+        assert hasattr(Manager, name), f"torchft Manager.{name} moved"
+    for name in ("allgather", "allreduce", "configure"):
+        assert hasattr(ProcessGroupGloo, name)
+    assert os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"))
+
+
+@pytest.mark.unit
+def test_the_waiting_message_names_who_is_missing_from_the_lighthouse():
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient, LighthouseServer
+
+    from hf_flexdemo.fault_tolerance import lighthouse_status
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=500)
+    try:
+        address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+        client = LighthouseClient(address, timedelta(seconds=5))
+        client.heartbeat("node1:a")
+        time.sleep(1.0)  # node1 falls silent
+        client.heartbeat("node0:b")
+        status = lighthouse_status(address)
+        assert "need min_replicas 2" in status and "heartbeating ['node0']" in status
+    finally:
+        server.shutdown()
+    assert "does not answer" in lighthouse_status(address)

@@ -1,0 +1,106 @@
+"""One node of a fault-tolerant job: the stock Trainer, optim="flexdemo", fault_tolerance=torchft.
+
+Launched once per node by tests/test_fault_tolerance.py (`accelerate launch`, its own
+session so that the test can SIGKILL the whole node). Writes, per process:
+
+- ``progress_rank<N>.jsonl``: one line per step (global step, committed steps, live replicas, time);
+- ``result_rank<N>.json`` at the end: losses, the checksum of the final parameter shards.
+
+``--kill_node_in_exchange_at N`` (test only): at the first step from N on whose quorum holds
+every node, this node SIGKILLs itself (launcher and every process) inside the step's
+exchange, before its payload is out: the other nodes are in the collective waiting for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from support.ft_nodes import kill_node
+from support.tiny_hf import dataset, tiny_model, tokenizer
+from transformers import (
+    HfArgumentParser,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    default_data_collator,
+    set_seed,
+)
+
+import hf_flexdemo  # noqa: F401  (registers optim="flexdemo")
+from hf_flexdemo import fault_tolerance
+from hf_flexdemo.optim import unwrap_flexdemo
+from hf_flexdemo.topology import parameter_fingerprint
+
+
+@dataclasses.dataclass
+class WorkerArgs:
+    model: str = "olmo2"
+    step_delay: float = 0.0
+    kill_node_in_exchange_at: int = 0
+
+
+class Progress(TrainerCallback):
+    def __init__(self, path: Path, delay: float):
+        self.path, self.delay = path, delay
+
+    def on_step_end(self, args, state, control, optimizer=None, **kw):
+        replicas = unwrap_flexdemo(optimizer).managed
+        line = {
+            "step": state.global_step,
+            "committed": replicas.step,
+            "replicas": replicas.topology().size,
+            "time": time.time(),
+        }
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        if self.delay:
+            time.sleep(self.delay)
+
+
+def kill_node_in_exchange(trainer: Trainer, at_step: int) -> None:
+    """Die mid-exchange: in the quorum of the step, every process of this node SIGKILLed in the collective."""
+    for name in ("all_gather_into", "all_reduce_sum"):
+        original = getattr(fault_tolerance.ManagedReplicas, name)
+
+        def die_in_exchange(self, *tensors, _original=original):
+            everyone = self.topology().size == self.identity.replica_groups
+            if trainer.state.global_step + 1 >= at_step and everyone and dist.get_rank() == 0:
+                kill_node(os.getppid())  # the launcher, this process and its siblings
+            return _original(self, *tensors)
+
+        setattr(fault_tolerance.ManagedReplicas, name, die_in_exchange)
+
+
+def main() -> None:
+    worker, args = HfArgumentParser((WorkerArgs, TrainingArguments)).parse_args_into_dataclasses()
+    tok = tokenizer()
+    set_seed(args.seed)
+    model = tiny_model(worker.model, len(tok))
+    trainer = Trainer(
+        model=model, args=args, train_dataset=dataset(worker.model, tok), data_collator=default_data_collator
+    )
+    out = Path(trainer.args.output_dir)  # <output_dir>/node<ID>
+    out.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank()
+    trainer.add_callback(Progress(out / f"progress_rank{rank}.jsonl", worker.step_delay))
+    if worker.kill_node_in_exchange_at:
+        kill_node_in_exchange(trainer, worker.kill_node_in_exchange_at)
+    trainer.train()
+    params = [p for p in trainer.model.parameters()]
+    result = {
+        "losses": [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h],
+        "fingerprint": int(parameter_fingerprint(params)),
+        "global_step": trainer.state.global_step,
+        "committed": unwrap_flexdemo(trainer.optimizer).managed.step,
+    }
+    (out / f"result_rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
