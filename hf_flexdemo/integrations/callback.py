@@ -13,7 +13,8 @@
   (console, wandb, TensorBoard, ``log_history``): ``flexdemo/bytes_sent_per_step``,
   cumulative ``flexdemo/bytes_sent`` and ``flexdemo/bytes_received``,
   ``flexdemo/dense_bytes`` (what HSDP's dense all-reduce would have sent) and
-  ``flexdemo/compression_ratio``.
+  ``flexdemo/compression_ratio``; with fault tolerance also ``flexdemo/live_replicas`` (the
+  last quorum's nodes) and ``flexdemo/committed_steps`` (steps the quorum committed).
 - **Checks replicas** at every logging step (and every ``check_every`` steps, if set):
   replicas that should hold the same parameters are compared by checksum, and training
   stops with an error if they drifted.
@@ -197,5 +198,9 @@ class FlexDeMoCallback(TrainerCallback):
         }
         if sent:
             figures["flexdemo/compression_ratio"] = dense / sent
+        replicas = self._optimizer.managed
+        if replicas is not None:  # fault tolerance: who is training, and how far the quorum got
+            figures["flexdemo/live_replicas"] = replicas.topology().size
+            figures["flexdemo/committed_steps"] = replicas.step
         self.figures = figures
         return figures

@@ -1,0 +1,251 @@
+"""What live fault tolerance (torchft) costs and how fast it recovers: 2 nodes x 2 processes.
+
+Each node is `accelerate launch --config_file accelerate_configs/cpu_ft_node.yaml
+training_scripts/train_t5.py --preset offline` with ``fault_tolerance=torchft``, and a real
+``torchft_lighthouse`` joins them. Every logged step (``--logging_steps 1``) is timestamped as
+its line arrives. Two experiments, repeated:
+
+- **idle**: nothing fails. The median step time with fault tolerance against the same job
+  without it (one launch of ``cpu_2x2.yaml``: the same 2 x 2 layout), run back to back.
+- **outage**: node 1 (its launcher and workers) is SIGKILLed at a step, relaunched
+  ``--down`` seconds later. Measured: from the kill to the survivor's next committed step;
+  from the relaunch (process start) to node 1's first step back in the quorum; the
+  survivor's step time while alone against before. A plot of committed steps against
+  wall-clock time shows the outage.
+
+    .venv/bin/python benchmarks/fault_tolerance.py --repeats 3 --out benchmarks/results/fault_tolerance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "training_scripts" / "train_t5.py"
+FT_CONFIG = ROOT / "accelerate_configs" / "cpu_ft_node.yaml"
+PLAIN_CONFIG = ROOT / "accelerate_configs" / "cpu_2x2.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Launch:
+    """One `accelerate launch` whose logged steps are timestamped as they arrive."""
+
+    def __init__(self, config: Path, output_dir: Path, steps: int, env: dict[str, str], optim_args: str):
+        args = [
+            "--preset", "offline", "--max_steps", str(steps), "--logging_steps", "1", "--save_strategy", "no",
+            "--eval_strategy", "no", "--max_eval_samples", "8", "--generation_max_length", "8",
+            "--report_to", "none", "--output_dir", str(output_dir), "--optim_args", optim_args,
+        ]  # fmt: skip
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+            "--main_process_port", str(free_port()), str(SCRIPT), *args,
+        ]  # fmt: skip
+        base = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+        self.started = time.time()
+        self.proc = subprocess.Popen(
+            cmd, env={**base, **env}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.steps: list[tuple[float, dict]] = []
+        self.tail: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            now = time.time()
+            self.tail = (self.tail + [line])[-40:]
+            start = line.find("{'loss'")
+            if start >= 0:
+                try:
+                    self.steps.append((now, ast.literal_eval(line[start : line.rindex("}") + 1])))
+                except (ValueError, SyntaxError):
+                    pass
+
+    def kill(self) -> float:
+        """SIGKILL the launcher and all its workers at once (a lost machine)."""
+        when = time.time()
+        launcher = psutil.Process(self.proc.pid)
+        for process in [launcher, *launcher.children(recursive=True)]:
+            try:
+                process.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+        return when
+
+    def wait(self, timeout: float = 1800) -> None:
+        code = self.proc.wait(timeout)
+        self._reader.join(10)
+        if code:
+            raise RuntimeError(f"launch exited with {code}:\n{''.join(self.tail)}")
+
+    def committed(self) -> int:
+        return int(self.steps[-1][1].get("flexdemo/committed_steps", 0)) if self.steps else 0
+
+
+def step_times(steps: list[tuple[float, dict]], skip: int = 3) -> list[float]:
+    times = [t for t, _ in steps]
+    return [b - a for a, b in zip(times[skip:], times[skip + 1 :])]
+
+
+class Lighthouse:
+    def __init__(self, heartbeat_ms: int, log: Path):
+        self.port = free_port()
+        self.address = f"http://127.0.0.1:{self.port}"
+        binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            [
+                binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{self.port}",
+                "--heartbeat_timeout_ms", str(heartbeat_ms), "--join_timeout_ms", "2000",
+            ],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        time.sleep(1.0)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+def ft_env(lighthouse: Lighthouse, node: int) -> dict[str, str]:
+    return {"TORCHFT_LIGHTHOUSE": lighthouse.address, "REPLICA_GROUP_ID": str(node), "NUM_REPLICA_GROUPS": "2"}
+
+
+FT_ARGS = "fault_tolerance=torchft,ft_timeout=10,quorum_timeout=60"
+
+
+def idle(work: Path, steps: int, heartbeat_ms: int) -> dict:
+    """Median step time of node 0 with fault tolerance, then the same job without."""
+    lighthouse = Lighthouse(heartbeat_ms, work / "lighthouse_idle.log")
+    try:
+        nodes = [Launch(FT_CONFIG, work / f"idle_ft{n}", steps, ft_env(lighthouse, n), FT_ARGS) for n in (0, 1)]
+        for node in nodes:
+            node.wait()
+    finally:
+        lighthouse.stop()
+    plain = Launch(PLAIN_CONFIG, work / "idle_plain", steps, {}, "")
+    plain.wait()
+    # Both nodes start on their own: count only steps where the two trained together.
+    together = [s for s in nodes[0].steps if s[1].get("flexdemo/live_replicas") == 2]
+    ft, base = statistics.median(step_times(together)), statistics.median(step_times(plain.steps))
+    return {"ft_step_s": ft, "plain_step_s": base, "overhead": ft / base - 1}
+
+
+def outage(work: Path, steps: int, heartbeat_ms: int, kill_at: int, down_s: float) -> dict:
+    lighthouse = Lighthouse(heartbeat_ms, work / "lighthouse_outage.log")
+    try:
+        nodes = [Launch(FT_CONFIG, work / f"outage{n}", steps, ft_env(lighthouse, n), FT_ARGS) for n in (0, 1)]
+        while nodes[1].committed() < kill_at:
+            if nodes[1].proc.poll() is not None:
+                raise RuntimeError("node 1 ended before the kill:\n" + "".join(nodes[1].tail))
+            time.sleep(0.05)
+        committed_at_kill = nodes[0].committed()
+        killed = nodes[1].kill()
+        time.sleep(down_s)
+        relaunch = Launch(FT_CONFIG, work / "outage1", steps, ft_env(lighthouse, 1), FT_ARGS)
+        nodes[0].wait()
+        relaunch.wait()
+    finally:
+        lighthouse.stop()
+    survivor = nodes[0].steps
+    next_commit = next(t for t, s in survivor if t > killed and s["flexdemo/committed_steps"] > committed_at_kill)
+    alone = [(t, s) for t, s in survivor if next_commit <= t < relaunch.started]
+    before = [(t, s) for t, s in survivor if t < killed and s["flexdemo/live_replicas"] == 2]
+    back = next(t for t, s in relaunch.steps if s["flexdemo/live_replicas"] == 2)
+    return {
+        "survivor_next_commit_s": next_commit - killed,
+        "rejoin_s": back - relaunch.started,
+        "alone_step_s": statistics.median(step_times(alone, skip=1)),
+        "together_step_s": statistics.median(step_times(before)),
+        "timeline": {
+            "killed": killed,
+            "relaunched": relaunch.started,
+            "node0": [(t, s["flexdemo/committed_steps"], s["flexdemo/live_replicas"]) for t, s in survivor],
+            "node1": [(t, s["flexdemo/committed_steps"], s["flexdemo/live_replicas"]) for t, s in nodes[1].steps],
+            "node1_again": [(t, s["flexdemo/committed_steps"], s["flexdemo/live_replicas"]) for t, s in relaunch.steps],
+        },
+    }
+
+
+def plot(timeline: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = timeline["node0"][0][0]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for key, label, style in (
+        ("node0", "node 0 (survivor)", "-"),
+        ("node1", "node 1", "-"),
+        ("node1_again", "node 1, relaunched", "--"),
+    ):
+        points = timeline[key]
+        ax.plot([t - t0 for t, _, _ in points], [c for _, c, _ in points], style, label=label)
+    ax.axvline(timeline["killed"] - t0, color="red", linestyle=":", label="node 1 SIGKILLed")
+    ax.axvline(timeline["relaunched"] - t0, color="green", linestyle=":", label="node 1 relaunched")
+    ax.set_xlabel("wall-clock time (s)")
+    ax.set_ylabel("steps committed by the quorum")
+    ax.set_title("FlexDeMo + torchft, 2 nodes x 2 processes (T5 offline preset, CPU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=120, help="steps of each idle run")
+    parser.add_argument("--outage-steps", type=int, default=200)
+    parser.add_argument("--kill-at", type=int, default=30, help="node 1 dies after this many committed steps")
+    parser.add_argument("--down", type=float, default=5.0, help="seconds node 1 stays down")
+    parser.add_argument("--heartbeat-ms", type=int, default=2000, help="the Lighthouse's --heartbeat_timeout_ms")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fault_tolerance.json")
+    args = parser.parse_args()
+    runs = {"idle": [], "outage": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            work = Path(tmp) / str(repeat)
+            work.mkdir()
+            runs["idle"].append(idle(work, args.steps, args.heartbeat_ms))
+            runs["outage"].append(outage(work, args.outage_steps, args.heartbeat_ms, args.kill_at, args.down))
+            print(json.dumps({k: v[-1] for k, v in runs.items()}, default=str)[:600], flush=True)
+    summary = {
+        key: statistics.median(r[key] for r in runs[kind])
+        for kind, keys in (
+            ("idle", ("ft_step_s", "plain_step_s", "overhead")),
+            ("outage", ("survivor_next_commit_s", "rejoin_s", "alone_step_s", "together_step_s")),
+        )
+        for key in keys
+    }
+    summary["overheads"] = [r["overhead"] for r in runs["idle"]]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "summary": summary, "runs": runs}))
+    plot(runs["outage"][0]["timeline"], args.out.with_suffix(".png"))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
