@@ -8,7 +8,8 @@ its line arrives. Two experiments, repeated:
 - **idle**: nothing fails. The median step time with fault tolerance against the same job
   without it (one launch of ``cpu_2x2.yaml``: the same 2 x 2 layout), run back to back.
 - **outage**: node 1 (its launcher and workers) is SIGKILLed at a step, relaunched
-  ``--down`` seconds later. Measured: from the kill to the survivor's next committed step;
+  ``--down`` seconds later. Measured: from the kill to the survivor's first step committed
+  without node 1;
   from the relaunch (process start) to node 1's first step back in the quorum; the
   survivor's step time while alone against before. A plot of committed steps against
   wall-clock time shows the outage.
@@ -161,7 +162,6 @@ def outage(work: Path, steps: int, heartbeat_ms: int, kill_at: int, down_s: floa
             if nodes[1].proc.poll() is not None:
                 raise RuntimeError("node 1 ended before the kill:\n" + "".join(nodes[1].tail))
             time.sleep(0.05)
-        committed_at_kill = nodes[0].committed()
         killed = nodes[1].kill()
         time.sleep(down_s)
         relaunch = Launch(FT_CONFIG, work / "outage1", steps, ft_env(lighthouse, 1), FT_ARGS)
@@ -169,23 +169,31 @@ def outage(work: Path, steps: int, heartbeat_ms: int, kill_at: int, down_s: floa
         relaunch.wait()
     finally:
         lighthouse.stop()
-    survivor = nodes[0].steps
-    next_commit = next(t for t, s in survivor if t > killed and s["flexdemo/committed_steps"] > committed_at_kill)
-    alone = [(t, s) for t, s in survivor if next_commit <= t < relaunch.started]
-    before = [(t, s) for t, s in survivor if t < killed and s["flexdemo/live_replicas"] == 2]
-    back = next(t for t, s in relaunch.steps if s["flexdemo/live_replicas"] == 2)
+    point = lambda steps: [(t, s["flexdemo/committed_steps"], s["flexdemo/live_replicas"]) for t, s in steps]  # noqa: E731
+    timeline = {
+        "killed": killed,
+        "relaunched": relaunch.started,
+        "node0": point(nodes[0].steps),
+        "node1": point(nodes[1].steps),
+        "node1_again": point(relaunch.steps),
+    }
+    return {**outage_metrics(timeline), "timeline": timeline}
+
+
+def outage_metrics(timeline: dict) -> dict:
+    """The outage's figures from the recorded timeline: (time, committed steps, live replicas) per logged step."""
+    killed, relaunched, survivor = timeline["killed"], timeline["relaunched"], timeline["node0"]
+    committed_at_kill = max(c for t, c, _ in survivor if t <= killed)
+    # The first step the survivor commits without the dead node (a step in flight at the kill may still commit).
+    next_commit = next(t for t, c, live in survivor if t > killed and c > committed_at_kill and live == 1)
+    alone = [(t, None) for t, _, _ in survivor if next_commit <= t < relaunched]
+    before = [(t, None) for t, _, live in survivor if t < killed and live == 2]
+    back = next(t for t, _, live in timeline["node1_again"] if live == 2)
     return {
         "survivor_next_commit_s": next_commit - killed,
-        "rejoin_s": back - relaunch.started,
+        "rejoin_s": back - relaunched,
         "alone_step_s": statistics.median(step_times(alone, skip=1)),
         "together_step_s": statistics.median(step_times(before)),
-        "timeline": {
-            "killed": killed,
-            "relaunched": relaunch.started,
-            "node0": [(t, s["flexdemo/committed_steps"], s["flexdemo/live_replicas"]) for t, s in survivor],
-            "node1": [(t, s["flexdemo/committed_steps"], s["flexdemo/live_replicas"]) for t, s in nodes[1].steps],
-            "node1_again": [(t, s["flexdemo/committed_steps"], s["flexdemo/live_replicas"]) for t, s in relaunch.steps],
-        },
     }
 
 
@@ -198,12 +206,12 @@ def plot(timeline: dict, path: Path) -> None:
     t0 = timeline["node0"][0][0]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for key, label, style in (
-        ("node0", "node 0 (survivor)", "-"),
-        ("node1", "node 1", "-"),
-        ("node1_again", "node 1, relaunched", "--"),
+        ("node0", "node 0 (survivor)", dict(linewidth=3, alpha=0.5)),
+        ("node1", "node 1", dict(linewidth=1.5)),
+        ("node1_again", "node 1, relaunched (from its first step)", dict(marker="x", markevery=10, linewidth=1)),
     ):
         points = timeline[key]
-        ax.plot([t - t0 for t, _, _ in points], [c for _, c, _ in points], style, label=label)
+        ax.plot([t - t0 for t, _, _ in points], [c for _, c, _ in points], label=label, **style)
     ax.axvline(timeline["killed"] - t0, color="red", linestyle=":", label="node 1 SIGKILLed")
     ax.axvline(timeline["relaunched"] - t0, color="green", linestyle=":", label="node 1 relaunched")
     ax.set_xlabel("wall-clock time (s)")
@@ -212,6 +220,19 @@ def plot(timeline: dict, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def summarize(runs: dict) -> dict:
+    """Medians over the repeats (outage figures recomputed from the recorded timelines)."""
+    outages = [outage_metrics(r["timeline"]) for r in runs["outage"]]
+    summary = {
+        key: statistics.median(r[key] for r in runs["idle"]) for key in ("ft_step_s", "plain_step_s", "overhead")
+    }
+    summary |= {key: statistics.median(o[key] for o in outages) for key in outages[0]}
+    summary["overheads"] = [r["overhead"] for r in runs["idle"]]
+    summary["survivor_next_commit_each_s"] = [o["survivor_next_commit_s"] for o in outages]
+    summary["rejoin_each_s"] = [o["rejoin_s"] for o in outages]
+    return summary
 
 
 def main() -> None:
@@ -223,7 +244,15 @@ def main() -> None:
     parser.add_argument("--down", type=float, default=5.0, help="seconds node 1 stays down")
     parser.add_argument("--heartbeat-ms", type=int, default=2000, help="the Lighthouse's --heartbeat_timeout_ms")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fault_tolerance.json")
+    parser.add_argument("--summarize", action="store_true", help="recompute the summary and plot of --out only")
     args = parser.parse_args()
+    if args.summarize:
+        recorded = json.loads(args.out.read_text())
+        recorded["summary"] = summarize(recorded["runs"])
+        args.out.write_text(json.dumps(recorded))
+        plot(recorded["runs"]["outage"][0]["timeline"], args.out.with_suffix(".png"))
+        print(json.dumps(recorded["summary"], indent=1))
+        return
     runs = {"idle": [], "outage": []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
@@ -232,15 +261,7 @@ def main() -> None:
             runs["idle"].append(idle(work, args.steps, args.heartbeat_ms))
             runs["outage"].append(outage(work, args.outage_steps, args.heartbeat_ms, args.kill_at, args.down))
             print(json.dumps({k: v[-1] for k, v in runs.items()}, default=str)[:600], flush=True)
-    summary = {
-        key: statistics.median(r[key] for r in runs[kind])
-        for kind, keys in (
-            ("idle", ("ft_step_s", "plain_step_s", "overhead")),
-            ("outage", ("survivor_next_commit_s", "rejoin_s", "alone_step_s", "together_step_s")),
-        )
-        for key in keys
-    }
-    summary["overheads"] = [r["overhead"] for r in runs["idle"]]
+    summary = summarize(runs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "summary": summary, "runs": runs}))
     plot(runs["outage"][0]["timeline"], args.out.with_suffix(".png"))

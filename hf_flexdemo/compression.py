@@ -68,13 +68,17 @@ VALUE_BITS = (0, 1, 2, 4, 8)
 """Low-bit value formats: 0 sends values as they are; 1 a sign; 2, 4, 8 a symmetric integer code."""
 
 
-def quantize_tiles(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tiles(
+    values: torch.Tensor, bits: int, noise: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(n_tiles, k)`` values as packed ``bits``-bit codes and one float32 scale per tile.
 
     ``bits=1``: the sign of each value, and the tile's mean magnitude as the scale, so a
     value reads back as ``sign * mean|v|`` (the tile's energy on the sent coefficients, with
     each one's direction). ``bits`` of 2, 4 or 8: ``round(v / s)`` with ``s = max|v| / L``,
-    ``L = 2**(bits-1) - 1``, clamped to ``[-L, L]``; rounding is to nearest (deterministic).
+    ``L = 2**(bits-1) - 1``, clamped to ``[-L, L]``; rounding is to nearest, or with
+    ``noise`` (uniform in [0, 1), shaped like ``values``) stochastic: ``floor(v / s + noise)``,
+    unbiased in expectation.
     """
     values = values.float()
     if bits == 1:
@@ -84,7 +88,9 @@ def quantize_tiles(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch
         levels = 2 ** (bits - 1) - 1
         scale = values.abs().amax(1) / levels
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round(values / safe.unsqueeze(1)).clamp_(-levels, levels).to(torch.int64) + levels
+        scaled = values / safe.unsqueeze(1)
+        rounded = torch.round(scaled) if noise is None else torch.floor(scaled + noise)
+        codes = rounded.clamp_(-levels, levels).to(torch.int64) + levels
     return pack_bits(codes, bits), scale
 
 

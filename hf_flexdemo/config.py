@@ -15,7 +15,7 @@ import torch
 
 from .compression import DECODE_MODES, VALUE_BITS
 
-SCHEMES = ("demo", "random", "striding", "diloco", "full", "none")
+SCHEMES = ("demo", "random", "striding", "diloco", "sparseloco", "full", "none")
 VALUE_DTYPES: dict[str, torch.dtype | None] = {
     "param": None,
     "bf16": torch.bfloat16,
@@ -23,13 +23,18 @@ VALUE_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
 }
 PER_STEP_SCHEMES = ("demo", "random", "striding", "full")
+OUTER_STEP_SCHEMES = ("diloco", "sparseloco")
+"""Schemes with DiLoCo's local inner AdamW steps and an outer step every ``inner_steps``."""
+TOPK_SCHEMES = ("demo", "sparseloco")
+"""Schemes that send each tile's top-k entries: the ones ``value_bits`` and ``pack_indices`` apply to."""
+ROUNDINGS = ("nearest", "stochastic")
 FAULT_TOLERANCE = ("off", "torchft")
 
 GROUP_KEYS = ("lr", "weight_decay", "decay", "topk", "chunk", "sign", "betas", "eps")
 """Hyperparameters that may differ between parameter groups; the rest hold for the whole optimizer."""
 
 OWN_KEYS = ("topk", "chunk", "decode", "value_dtype", "scheme", "replicate_every", "rate")
-OWN_KEYS += ("inner_steps", "outer_lr", "outer_momentum", "overlap", "pack_indices", "value_bits")
+OWN_KEYS += ("inner_steps", "outer_lr", "outer_momentum", "overlap", "pack_indices", "value_bits", "rounding")
 OWN_KEYS += ("fault_tolerance", "min_replicas", "ft_timeout", "quorum_timeout")
 """``optim_args`` keys that only FlexDeMo reads: with another ``optim`` they would be ignored."""
 
@@ -65,11 +70,21 @@ class FlexDeMoConfig:
         default=1 / 128, metadata={"help": "random/striding: fraction of momentum entries sent per replication."}
     )
     seed: int = field(default=0, metadata={"help": "random: seed shared by all replicas to pick the same entries."})
-    inner_steps: int = field(default=100, metadata={"help": "diloco: H, the local steps between outer steps."})
-    outer_lr: float = field(default=0.7, metadata={"help": "diloco: learning rate of the outer Nesterov SGD."})
-    outer_momentum: float = field(default=0.9, metadata={"help": "diloco: momentum of the outer Nesterov SGD."})
-    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "diloco: inner AdamW betas."})
-    eps: float = field(default=1e-8, metadata={"help": "diloco: inner AdamW epsilon."})
+    inner_steps: int = field(
+        default=100, metadata={"help": "diloco, sparseloco: H, the local steps between outer steps."}
+    )
+    outer_lr: float = field(
+        default=0.7,
+        metadata={"help": "diloco: lr of the outer Nesterov SGD; sparseloco: of the outer step."},
+    )
+    outer_momentum: float = field(
+        default=0.9,
+        metadata={"help": "diloco: momentum of the outer Nesterov SGD; sparseloco: decay of the error feedback."},
+    )
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.999), metadata={"help": "diloco, sparseloco: inner AdamW betas."}
+    )
+    eps: float = field(default=1e-8, metadata={"help": "diloco, sparseloco: inner AdamW epsilon."})
     overlap: bool = field(
         default=False,
         metadata={"help": "Per-step schemes: apply each step's exchange one step late, hiding it behind compute."},
@@ -77,14 +92,20 @@ class FlexDeMoConfig:
     value_bits: int = field(
         default=0,
         metadata={
-            "help": "demo: 0 sends values in value_dtype; 1 their signs and each tile's mean magnitude; 2, 4 or 8 "
-            "a symmetric integer code per value and one float32 scale per tile. The rounding error stays in the "
-            "momentum (error feedback)."
+            "help": "demo, sparseloco: 0 sends values in value_dtype; 1 their signs and each tile's mean "
+            "magnitude; 2, 4 or 8 a symmetric integer code per value and one float32 scale per tile. The "
+            "rounding error stays in the momentum (error feedback)."
         },
+    )
+    rounding: str = field(
+        default="nearest",
+        metadata={"help": "value_bits 2, 4, 8: 'nearest' or 'stochastic' (unbiased) rounding."},
     )
     pack_indices: bool = field(
         default=False,
-        metadata={"help": "demo: send each index in the bits a tile position needs (12 for 64x64 tiles), not 16."},
+        metadata={
+            "help": "demo, sparseloco: send each index in the bits a tile position needs (12 for 64x64), not 16."
+        },
     )
     fault_tolerance: str = field(
         default="off",
@@ -116,13 +137,19 @@ class FlexDeMoConfig:
             raise ValueError(
                 f"FlexDeMo: replicate_every={self.replicate_every} applies to the per-step schemes "
                 f"{PER_STEP_SCHEMES}, not to scheme={self.scheme!r}; leave it at 1"
-                + (" and set inner_steps instead." if self.scheme == "diloco" else ".")
+                + (" and set inner_steps instead." if self.scheme in OUTER_STEP_SCHEMES else ".")
             )
         _check_choice("value_bits", self.value_bits, VALUE_BITS)
-        if self.value_bits and self.scheme != "demo":
+        if self.value_bits and self.scheme not in TOPK_SCHEMES:
             raise ValueError(
-                f"FlexDeMo: value_bits={self.value_bits} applies to scheme='demo' only, not scheme={self.scheme!r}; "
-                "leave it at 0 (for fewer bytes there, use value_dtype='bf16')."
+                f"FlexDeMo: value_bits={self.value_bits} applies to the top-k schemes {TOPK_SCHEMES}, not "
+                f"scheme={self.scheme!r}; leave it at 0 (for fewer bytes there, use value_dtype='bf16')."
+            )
+        _check_choice("rounding", self.rounding, ROUNDINGS)
+        if self.rounding == "stochastic" and self.value_bits not in (2, 4, 8):
+            raise ValueError(
+                f"FlexDeMo: rounding='stochastic' applies to value_bits 2, 4 or 8, not value_bits={self.value_bits}; "
+                "set value_bits=2 (or 4, 8), or leave rounding='nearest'."
             )
         for name in ("overlap", "pack_indices"):
             if not isinstance(getattr(self, name), bool):
@@ -219,7 +246,7 @@ def _parse_float(raw: str) -> float:
 def validate_group(group: dict[str, Any], scheme: str) -> None:
     """Check the per-group hyperparameters; raises ValueError naming the setting, value and range.
 
-    ``betas`` and ``eps`` belong to DiLoCo's inner AdamW: other schemes do not use them, so
+    ``betas`` and ``eps`` belong to the inner AdamW of DiLoCo and SparseLoCo: other schemes do not use them, so
     the Trainer's ``--adam_beta2 1.0`` (say) is no error there.
     """
     _check_float("lr", group["lr"], low=0.0)
@@ -229,7 +256,7 @@ def validate_group(group: dict[str, Any], scheme: str) -> None:
     _check_int("topk", group["topk"], low=1, high=group["chunk"] ** 2, why=" (at most chunk * chunk, a full tile)")
     if not isinstance(group["sign"], bool):
         raise ValueError(f"FlexDeMo: sign={group['sign']!r} is invalid; sign must be True or False.")
-    if scheme != "diloco":
+    if scheme not in OUTER_STEP_SCHEMES:
         return
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):

@@ -194,3 +194,17 @@ def test_16_bit_inputs_are_transformed_in_float32():
     x = torch.randn(16, 16).to(torch.bfloat16)
     plan = ChunkPlan.for_shape(x.shape, chunk=8, topk=4)
     assert to_coefficients(x, plan).dtype == torch.float32
+
+
+def test_stochastic_rounding_is_unbiased_where_nearest_is_not():
+    from hf_flexdemo.compression import dequantize_tiles, quantize_tiles
+
+    values = torch.tensor([[1.0, 0.3, -0.3, 0.1]])  # scale 1.0 at 2 bits: codes -1, 0, 1
+    nearest = dequantize_tiles(*quantize_tiles(values, 2), 2, 4)
+    assert nearest.tolist() == [[1.0, 0.0, 0.0, 0.0]]  # small values always vanish
+    g = torch.Generator().manual_seed(0)
+    draws = [
+        dequantize_tiles(*quantize_tiles(values, 2, noise=torch.rand(1, 4, generator=g)), 2, 4) for _ in range(4000)
+    ]
+    mean = torch.stack(draws).mean(0)
+    torch.testing.assert_close(mean, values, rtol=0, atol=0.03)

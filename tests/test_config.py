@@ -19,7 +19,7 @@ BAD = [
     (dict(decay=-0.1), "decay=-0.1", "[0.0, 1.0)"),
     (dict(lr=-1e-3), "lr=-0.001", "[0.0, inf)"),
     (dict(weight_decay=-0.1), "weight_decay=-0.1", "[0.0, inf)"),
-    (dict(scheme="sgd"), "scheme='sgd'", "'demo', 'random', 'striding', 'diloco', 'full', 'none'"),
+    (dict(scheme="sgd"), "scheme='sgd'", "'demo', 'random', 'striding', 'diloco', 'sparseloco', 'full', 'none'"),
     (dict(replicate_every=0), "replicate_every=0", ">= 1"),
     (dict(scheme="diloco", replicate_every=2), "replicate_every=2", "inner_steps"),
     (dict(scheme="diloco", inner_steps=0), "inner_steps=0", ">= 1"),
@@ -30,7 +30,11 @@ BAD = [
     (dict(outer_momentum=1.0), "outer_momentum=1.0", "[0.0, 1.0)"),
     (dict(scheme="diloco", betas=(0.9, 1.5)), "betas[1]=1.5", "[0.0, 1.0)"),
     (dict(value_bits=3), "value_bits=3", "(0, 1, 2, 4, 8)"),
-    (dict(scheme="random", value_bits=1), "value_bits=1", "scheme='demo' only"),
+    (dict(scheme="random", value_bits=1), "value_bits=1", "top-k schemes ('demo', 'sparseloco')"),
+    (dict(scheme="sparseloco", replicate_every=2), "replicate_every=2", "inner_steps"),
+    (dict(value_bits=1, rounding="stochastic"), "rounding='stochastic'", "value_bits 2, 4 or 8"),
+    (dict(rounding="up"), "rounding='up'", "'nearest', 'stochastic'"),
+    (dict(scheme="sparseloco", overlap=True), "overlap=True", "per-step schemes"),
 ]
 
 

@@ -11,7 +11,8 @@ from support.launch import TESTS_DIR, read_rank_results, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
-SYNCING = ("demo", "random", "striding", "full", "diloco", "demo_1bit_packed", "demo_4bit")
+SYNCING = ("demo", "random", "striding", "full", "diloco", "sparseloco")
+SYNCING += ("demo_1bit_packed", "demo_4bit", "demo_2bit_stochastic", "sparseloco_2bit_packed")
 ALL = (*SYNCING, "none")
 
 
@@ -58,9 +59,10 @@ def test_one_packed_collective_per_replication_step(ranks):
         s = rank["schemes"]
         for scheme in ("demo", "random", "striding", "full"):
             assert [step["collectives"] for step in s[scheme]["per_step"][1:]] == [1] * 19
-        assert [step["collectives"] for step in s["diloco"]["per_step"][1:]] == [
-            1 if i % 5 == 0 else 0 for i in range(2, 21)
-        ]
+        for scheme in ("diloco", "sparseloco"):
+            assert [step["collectives"] for step in s[scheme]["per_step"][1:]] == [
+                1 if i % 5 == 0 else 0 for i in range(2, 21)
+            ]
         assert [step["collectives"] for step in s["none"]["per_step"][1:]] == [0] * 19
 
 
@@ -73,6 +75,8 @@ def test_dense_all_reduce_counterfactual_and_compression(ranks):
         s = rank["schemes"]
         assert s["demo"]["total_sent"] < s["full"]["total_sent"] == s["full"]["total_dense"]
         assert s["diloco"]["total_sent"] * 5 == s["full"]["total_sent"]
+        # Top 4 of 8x8 tiles at 2 bits with packed indices; these odd shapes have many thin tiles.
+        assert s["sparseloco_2bit_packed"]["total_sent"] * 2 < s["sparseloco"]["total_sent"] < s["diloco"]["total_sent"]
 
 
 @pytest.mark.parametrize(
@@ -85,7 +89,7 @@ def test_sharded_replicas_match_the_one_process_reference(ranks, config):
         assert result["state_err"] <= 1e-12, result  # momentum, or DiLoCo's Adam moment and anchor
 
 
-@pytest.mark.parametrize("scheme", ["demo", "random", "diloco", "demo_overlap"])
+@pytest.mark.parametrize("scheme", ["demo", "random", "diloco", "sparseloco", "demo_overlap"])
 def test_checkpoint_restores_every_replicas_own_state(ranks, scheme):
     for rank in ranks:
         result = rank["checkpoint"][scheme]

@@ -99,6 +99,7 @@ def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, sc
     rejoined = rejoined[next(i for i, p in enumerate(rejoined) if p["time"] > relaunched) :]
     assert rejoined[0]["step"] > step_at_relaunch, "the relaunched node started over instead of taking the live state"
     assert rejoined[0]["replicas"] == 2
+    assert rejoined[0]["time"] - relaunched < 60, "the relaunched node took more than 60 s to train again"
     for rank in (0, 1):
         survivor, returned = nodes[0].result(rank), nodes[1].result(rank)
         assert survivor["fingerprint"] == returned["fingerprint"], f"rank {rank}: nodes end with different parameters"
@@ -108,11 +109,11 @@ def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, sc
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("scheme", ["demo", "random", "striding", "full", "diloco"])
+@pytest.mark.parametrize("scheme", ["demo", "random", "striding", "full", "diloco", "sparseloco"])
 def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(lighthouse, tmp_path, scheme):
     """Three single-process nodes; node 2 dies inside a collective of a step all three joined (step 10 on)."""
-    extra = ",inner_steps=5" if scheme == "diloco" else ""
-    flags = [*TINY, "--max_steps", "40", "--step_delay", "0.05", *ft_args(f",scheme={scheme}{extra}")]
+    extra = ",inner_steps=5" if scheme in ("diloco", "sparseloco") else ""
+    flags = [*TINY, "--max_steps", "80", "--step_delay", "0.05", *ft_args(f",scheme={scheme}{extra}")]
     nodes = nodes_of(3, lighthouse, tmp_path, *flags, processes=1, extra={2: ("--kill_node_in_exchange_at", "10")})
     for node in nodes:
         node.start()
@@ -129,6 +130,36 @@ def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(lighthouse, tm
     assert first["fingerprint"] == second["fingerprint"]
     assert first["committed"] == second["committed"]
     assert losses_fell(first)
+
+
+@pytest.mark.faults
+def test_a_node_dying_while_it_serves_recovery_does_not_take_the_healing_node_down(lighthouse, tmp_path):
+    """Node 2 starts late; the first of nodes 0 and 1 it asks for the live state dies; it heals from the other."""
+    flags = [*TINY, "--max_steps", "150", "--step_delay", "0.1", *ft_args()]
+    serve_and_die = ("--die_while_serving_after", "5")
+    nodes = nodes_of(3, lighthouse, tmp_path, *flags, processes=1, extra={0: serve_and_die, 1: serve_and_die})
+    nodes[0].start()
+    nodes[1].start()
+    wait_until(lambda: min(nodes[0].step(), nodes[1].step()) >= 6, 180, "nodes 0 and 1 to train")
+    nodes[2].start()
+    wait_until(lambda: any(n.proc.poll() is not None for n in nodes[:2]), 120, "the serving node to die")
+    served = next(n for n in nodes[:2] if n.proc.poll() is not None)
+    survivor = nodes[1 - served.index]
+    finish([survivor, nodes[2]])
+    assert served.proc.returncode != 0
+    assert survivor.result(0)["fingerprint"] == nodes[2].result(0)["fingerprint"]
+    assert nodes[2].result(0)["global_step"] == 150
+
+
+@pytest.mark.faults
+def test_live_replicas_that_drift_apart_stop_with_replica_drift_error(lighthouse, tmp_path):
+    flags = [*TINY, "--max_steps", "40", "--logging_steps", "1", "--step_delay", "0.05", *ft_args()]
+    nodes = nodes_of(2, lighthouse, tmp_path, *flags, processes=1, extra={1: ("--corrupt_at", "8")})
+    for node in nodes:
+        node.start()
+    for node in nodes:
+        assert node.wait(180) != 0
+        assert "ReplicaDriftError" in node.log() and "replicas hold different parameters" in node.log()
 
 
 @pytest.mark.multiprocess

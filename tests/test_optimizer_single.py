@@ -246,3 +246,38 @@ def test_a_step_reads_back_a_bounded_number_of_values_whatever_the_parameter_cou
     assert counts[3][1:] == counts[30][1:] and max(counts[30][1:]) <= 2, counts
     opt.state_dict()  # bytes counted on the host reach the state when it is read
     assert opt.total_stats.dense_bytes == 0  # one replica: nothing would cross nodes
+
+
+def test_sparseloco_sending_everything_without_error_feedback_decay_is_diloco_without_momentum():
+    """Top-k of a whole tile and beta = 0: the sparse pseudo-gradient is the dense one."""
+    hp = dict(lr=0.05, topk=16, chunk=4, inner_steps=3, outer_lr=0.7, outer_momentum=0.0)
+    params, twins = make_params(torch.float32), make_params(torch.float32)
+    sparse, dense = FlexDeMo(params, scheme="sparseloco", **hp), FlexDeMo(twins, scheme="diloco", **hp)
+    for step in range(7):
+        for group, opt in ((params, sparse), (twins, dense)):
+            for p, g in zip(group, grads_for(step, group)):
+                p.grad = g
+            opt.step()
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("value_bits", [0, 2])
+def test_sparseloco_sends_top_k_and_keeps_the_rest_in_its_error_feedback(value_bits):
+    """At the first outer step: sent + error feedback = the whole pseudo-gradient (a DiLoCo twin's)."""
+    hp = dict(topk=2, chunk=4, inner_steps=2, outer_lr=0.5)
+    params, twins = make_params(torch.float32), make_params(torch.float32)
+    anchors = [p.detach().clone() for p in params]
+    sparse = FlexDeMo(params, scheme="sparseloco", value_bits=value_bits, **hp)
+    dense = FlexDeMo(twins, scheme="diloco", **{**hp, "outer_lr": 1.0, "outer_momentum": 0.0})  # p = theta - delta
+    for step in range(2):
+        for group, opt in ((params, sparse), (twins, dense)):
+            for p, g in zip(group, grads_for(step, group)):
+                p.grad = g
+            opt.step()
+    for i in (3, 4):  # (20, 12) and (5, 3, 3): several tiles each
+        pseudo_gradient = anchors[i] - twins[i].detach()
+        sent = (anchors[i] - params[i].detach()) / hp["outer_lr"]
+        torch.testing.assert_close(sent + sparse.state[params[i]]["outer_error"], pseudo_gradient, rtol=1e-5, atol=1e-6)
+    sent = anchors[3] - params[3].detach()  # (20, 12) in 4x4 tiles: 2 of every 16 entries
+    assert 0 < (sent != 0).float().mean() <= 2 / 16

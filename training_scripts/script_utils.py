@@ -157,6 +157,7 @@ def train_and_report(trainer: Trainer, headline: Sequence[str], derived=None) ->
                 trainer.log(extra)
             trainer.log_metrics("eval", metrics)
             trainer.save_metrics("eval", metrics)
+            trainer.save_state()  # trainer_state.json: the whole log history, beside the model
             save_full_model(trainer)
             trainer.create_model_card()
     except CheckpointStorageError as error:

@@ -73,7 +73,11 @@ def describe(args: TrainingArguments) -> str:
         keys += ["rate"]
     if config.scheme == "diloco":
         keys = ["scheme", "inner_steps", "outer_lr", "outer_momentum", "betas", "value_dtype"]
+    if config.scheme == "sparseloco":
+        keys = ["scheme", "inner_steps", "topk", "chunk", "outer_lr", "outer_momentum", "betas", "value_dtype"]
     keys += [key for key in ("overlap", "value_bits", "pack_indices") if getattr(config, key)]
+    if config.rounding != "nearest":
+        keys.append("rounding")
     return "FlexDeMo(" + ", ".join(f"{k}={getattr(config, k)!r}" for k in keys) + ")"
 
 

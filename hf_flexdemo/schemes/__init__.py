@@ -7,10 +7,12 @@ from .base import Collective, ParamSlot, ReplicationScheme, StepContext
 from .demo import DeMoScheme
 from .dense import FullScheme, NoneScheme
 from .diloco import DiLoCoScheme
+from .sparseloco import SparseLoCoScheme
 from .subset import RandomScheme, StridingScheme
 
 SCHEME_CLASSES: dict[str, type[ReplicationScheme]] = {
-    cls.name: cls for cls in (DeMoScheme, RandomScheme, StridingScheme, DiLoCoScheme, FullScheme, NoneScheme)
+    cls.name: cls
+    for cls in (DeMoScheme, RandomScheme, StridingScheme, DiLoCoScheme, SparseLoCoScheme, FullScheme, NoneScheme)
 }
 
 
@@ -28,6 +30,7 @@ __all__ = [
     "ParamSlot",
     "RandomScheme",
     "ReplicationScheme",
+    "SparseLoCoScheme",
     "StepContext",
     "StridingScheme",
     "build_scheme",

@@ -21,21 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from ..compression import (
-    ChunkPlan,
-    decode_replicas,
-    dequantize_tiles,
-    flat_positions,
-    from_coefficients,
-    index_bits_for,
-    pack_bits,
-    quantize_tiles,
-    select_topk,
-    to_coefficients,
-    unpack_bits,
-)
+from ..compression import ChunkPlan, decode_replicas, flat_positions, from_coefficients, select_topk, to_coefficients
+from ..config import FlexDeMoConfig
 from .base import Collective, ParamSlot, StepContext
 from .momentum import MomentumScheme
+from .sparse_wire import TopKWire
 
 TILE_STATE = "dct_tiles"
 """Per-rank (tile_rows, tile_cols) the coefficients were computed with."""
@@ -45,6 +35,10 @@ class DeMoScheme(MomentumScheme):
     name = "demo"
     collective = Collective.ALL_GATHER
     momentum_key = "momentum_dct"
+
+    def __init__(self, config: FlexDeMoConfig):
+        super().__init__(config)
+        self.wire = TopKWire(config)
 
     def init_state(self, slot: ParamSlot) -> None:
         super().init_state(slot)
@@ -81,37 +75,17 @@ class DeMoScheme(MomentumScheme):
         if not ctx.replicate or plan.n_tiles == 0:
             return []
         indices, values = select_topk(q, plan)
-        bits = self.config.value_bits
-        if bits:
-            codes, scale = quantize_tiles(values, bits)
-            sent_values = [codes, scale]
-            decoded = dequantize_tiles(codes, scale, bits, plan.k)  # what every replica will read back
-        else:
-            sent_values = [values.to(self.wire_dtype(slot))]
-            decoded = sent_values[0]
+        sent, decoded = self.wire.encode(indices, values, plan, self.wire_dtype(slot), ctx.generator)
         # Subtract what travels (as the receivers will decode it) so the rounding error stays in Q.
         q.view(-1).index_add_(0, flat_positions(indices, plan), decoded.reshape(-1).to(q.dtype), alpha=-1.0)
         slot.carried = plan
-        if self.config.pack_indices:
-            return [pack_bits(indices, index_bits_for(plan.tile_size)), *sent_values]
-        return [indices.to(plan.index_dtype), *sent_values]
+        return sent
 
     def apply(self, slot: ParamSlot, received: list[list[torch.Tensor]], ctx: StepContext) -> None:
         plan = slot.carried
         if plan is None:
             return
         dtype = self.momentum(slot).dtype
-        parts = [self._read(part, plan) for part in received]
+        parts = [self.wire.read(part, plan) for part in received]
         coefficients = decode_replicas(parts, plan, self.config.decode, dtype)
         self.move(slot, from_coefficients(coefficients, plan))
-
-    def _read(self, part: list[torch.Tensor], plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """One replica's ``(indices, values)`` back from the wire format."""
-        indices, *sent_values = part
-        if self.config.pack_indices:
-            count = plan.n_tiles * plan.k
-            indices = unpack_bits(indices, index_bits_for(plan.tile_size), count).view(plan.n_tiles, plan.k)
-        if self.config.value_bits:
-            codes, scale = sent_values
-            return indices, dequantize_tiles(codes, scale, self.config.value_bits, plan.k)
-        return indices, sent_values[0]

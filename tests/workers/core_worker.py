@@ -32,10 +32,12 @@ from hf_flexdemo.schemes.momentum import momentum_dtype
 from hf_flexdemo.state_store import StateStore
 from hf_flexdemo.topology import replica_fingerprints
 
-SCHEMES = ("demo", "random", "striding", "full", "diloco", "none")
-VARIANTS = {  # wire formats of demo, run like the schemes
+SCHEMES = ("demo", "random", "striding", "full", "diloco", "sparseloco", "none")
+VARIANTS = {  # wire formats of the top-k schemes, run like the schemes
     "demo_1bit_packed": dict(scheme="demo", value_bits=1, pack_indices=True),
     "demo_4bit": dict(scheme="demo", value_bits=4),
+    "demo_2bit_stochastic": dict(scheme="demo", value_bits=2, rounding="stochastic"),
+    "sparseloco_2bit_packed": dict(scheme="sparseloco", value_bits=2, pack_indices=True),
 }
 SMALL = dict(topk=4, chunk=8, rate=0.25, inner_steps=5)
 
@@ -163,7 +165,7 @@ def spatial_momentum(opt, p, hp) -> torch.Tensor:
 def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
     """DCP save/load restores each replica's own state; a resumed run continues the same curve."""
     out = {}
-    for name in ("demo", "random", "diloco", "demo_overlap"):
+    for name in ("demo", "random", "diloco", "sparseloco", "demo_overlap"):
         scheme = name.removesuffix("_overlap")
         hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4, "overlap": name.endswith("_overlap")}
         model = build(mesh)
@@ -174,7 +176,7 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
         dcp.save(
             {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt
         )
-        key = {"demo": "momentum_dct", "random": "momentum", "diloco": "exp_avg"}[scheme]
+        key = {"demo": "momentum_dct", "random": "momentum", "diloco": "exp_avg", "sparseloco": "outer_error"}[scheme]
         params = list(model.parameters())
         saved = [StateStore.local(opt.state[p][key], local_tensor(p)).clone() for p in params]
         saved_total = opt.total_stats.bytes_sent

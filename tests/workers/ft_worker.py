@@ -9,6 +9,9 @@ session so that the test can SIGKILL the whole node). Writes, per process:
 ``--kill_node_in_exchange_at N`` (test only): at the first step from N on whose quorum holds
 every node, this node SIGKILLs itself (launcher and every process) inside the step's
 exchange, before its payload is out: the other nodes are in the collective waiting for it.
+``--corrupt_at N`` (test only): at step N this node changes one parameter entry on its own.
+``--die_while_serving_after N`` (test only): from step N on, the first node asked for the
+live state by a healing peer dies right then.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from transformers import (
 
 import hf_flexdemo  # noqa: F401  (registers optim="flexdemo")
 from hf_flexdemo import fault_tolerance
-from hf_flexdemo.optim import unwrap_flexdemo
+from hf_flexdemo.optim import FlexDeMo, unwrap_flexdemo
 from hf_flexdemo.topology import parameter_fingerprint
 
 
@@ -43,11 +46,17 @@ class WorkerArgs:
     model: str = "olmo2"
     step_delay: float = 0.0
     kill_node_in_exchange_at: int = 0
+    die_while_serving_after: int = 0
+    corrupt_at: int = 0
 
 
 class Progress(TrainerCallback):
-    def __init__(self, path: Path, delay: float):
-        self.path, self.delay = path, delay
+    def __init__(self, path: Path, delay: float, corrupt_at: int = 0):
+        self.path, self.delay, self.corrupt_at = path, delay, corrupt_at
+
+    def on_optimizer_step(self, args, state, control, model=None, **kw):
+        if state.global_step + 1 == self.corrupt_at:  # one bit of drift, behind the quorum's back
+            next(model.parameters()).data.view(-1)[0] += 1e-3
 
     def on_step_end(self, args, state, control, optimizer=None, **kw):
         replicas = unwrap_flexdemo(optimizer).managed
@@ -77,20 +86,43 @@ def kill_node_in_exchange(trainer: Trainer, at_step: int) -> None:
         setattr(fault_tolerance.ManagedReplicas, name, die_in_exchange)
 
 
+def die_while_serving(trainer: Trainer, after_step: int, once: Path) -> None:
+    """Die when asked for the live state (a peer heals from this node) once past ``after_step``.
+
+    Only the first node to serve dies (it creates ``once``); another node serves normally.
+    """
+    original = FlexDeMo.replica_state
+
+    def serve_then_die(self):
+        state = original(self)
+        if trainer.state.global_step >= after_step:
+            try:
+                once.open("x").close()
+            except FileExistsError:
+                return state
+            kill_node(os.getppid())
+        return state
+
+    FlexDeMo.replica_state = serve_then_die
+
+
 def main() -> None:
     worker, args = HfArgumentParser((WorkerArgs, TrainingArguments)).parse_args_into_dataclasses()
     tok = tokenizer()
     set_seed(args.seed)
     model = tiny_model(worker.model, len(tok))
+    base = Path(args.output_dir)  # shared by the nodes of a test
     trainer = Trainer(
         model=model, args=args, train_dataset=dataset(worker.model, tok), data_collator=default_data_collator
     )
     out = Path(trainer.args.output_dir)  # <output_dir>/node<ID>
     out.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank()
-    trainer.add_callback(Progress(out / f"progress_rank{rank}.jsonl", worker.step_delay))
+    trainer.add_callback(Progress(out / f"progress_rank{rank}.jsonl", worker.step_delay, worker.corrupt_at))
     if worker.kill_node_in_exchange_at:
         kill_node_in_exchange(trainer, worker.kill_node_in_exchange_at)
+    if worker.die_while_serving_after:
+        die_while_serving(trainer, worker.die_while_serving_after, base / "served_and_died")
     trainer.train()
     params = [p for p in trainer.model.parameters()]
     result = {

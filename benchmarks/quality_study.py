@@ -1,0 +1,226 @@
+"""What each wire format and scheme costs in loss: the offline presets, 2 nodes x 2 processes.
+
+Every run is a user's command: `accelerate launch --config_file accelerate_configs/cpu_2x2.yaml
+training_scripts/train_<model>.py --preset offline` with the configuration's `--optim` and
+`--optim_args`, evaluated every `steps / 10` steps. Each configuration's learning rate is
+chosen by a sweep on seed 0 (its base rate times 0.5, 1 and 2; best final validation loss),
+then every seed runs at that rate. Bytes per step are node 0's (`flexdemo/bytes_sent_per_step`);
+AdamW-HSDP's are the dense ring all-reduce of the same gradients (`flexdemo/dense_bytes`).
+
+Wall-clock at a link rate is modelled as the measured time of a step (this machine, loopback)
+plus the bytes at the rate: `t = compute + 8 * bytes / rate`.
+
+    .venv/bin/python benchmarks/quality_study.py --model olmo2 --steps 300 --seeds 0 1 2 \\
+        --out benchmarks/results/quality_olmo2
+    .venv/bin/python benchmarks/quality_study.py --report benchmarks/results/quality_olmo2  # table + PNGs
+
+Writes ``<out>/runs.json`` (every run, resumable: finished runs are not repeated), and with
+``--report`` the markdown table and ``loss_vs_steps.png``, ``loss_vs_time_100mbit.png``,
+``loss_vs_time_1gbit.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "accelerate_configs" / "cpu_2x2.yaml"
+RATES = {"100mbit": 100e6, "1gbit": 1e9}
+SWEEP = (0.5, 1.0, 2.0)
+
+# name: (--optim, --optim_args, base learning rate)
+CONFIGS = {
+    "adamw_hsdp": ("adamw_torch", "", 1e-3),
+    "demo": ("flexdemo", "", 1e-3),
+    "demo_bf16": ("flexdemo", "value_dtype=bf16", 1e-3),
+    "demo_sign": ("flexdemo", "value_bits=1,pack_indices=true", 1e-3),
+    "demo_4bit": ("flexdemo", "value_bits=4,pack_indices=true", 1e-3),
+    "demo_2bit": ("flexdemo", "value_bits=2,pack_indices=true", 1e-3),
+    "demo_aggressive": ("flexdemo", "topk=4,chunk=64,value_bits=1,pack_indices=true", 1e-3),
+    "random": ("flexdemo", "scheme=random", 1e-3),
+    "striding": ("flexdemo", "scheme=striding", 1e-3),
+    "diloco": ("flexdemo", "scheme=diloco,inner_steps=20", 1e-3),
+    "sparseloco": ("flexdemo", "scheme=sparseloco,inner_steps=20,topk=64,value_bits=2,pack_indices=true", 1e-3),
+}
+
+
+def run(model: str, name: str, lr: float, seed: int, steps: int, work: Path, batch: int) -> dict:
+    optim, optim_args, _ = CONFIGS[name]
+    out = work / f"{model}_{name}_lr{lr:g}_s{seed}"
+    eval_every = max(steps // 10, 1)
+    args = [
+        "--preset", "offline", "--output_dir", str(out), "--max_steps", str(steps), "--seed", str(seed),
+        "--learning_rate", str(lr), "--optim", optim, "--logging_steps", str(eval_every),
+        "--eval_strategy", "steps", "--eval_steps", str(eval_every), "--save_strategy", "no",
+        "--per_device_train_batch_size", str(batch), "--report_to", "none", "--warmup_steps", str(steps // 20),
+    ]  # fmt: skip
+    if optim_args:
+        args += ["--optim_args", optim_args]
+    if model == "t5":
+        args += ["--predict_with_generate", "false"]
+    script = ROOT / "training_scripts" / f"train_{model}.py"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), str(script), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    started = time.time()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{out.name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h and h["step"] <= steps]
+    logged = [h for h in history if "flexdemo/bytes_sent" in h]
+    train = next(h for h in history if "train_runtime" in h)
+    result = {
+        "model": model, "config": name, "lr": lr, "seed": seed, "steps": steps,
+        "eval_curve": evals, "final_eval_loss": evals[-1][1],
+        "step_s": train["train_runtime"] / steps, "wall_s": time.time() - started,
+    }  # fmt: skip
+    if logged:
+        last = logged[-1]
+        result["bytes_per_step"] = last["flexdemo/bytes_sent"] / last["step"]
+        result["dense_bytes_per_step"] = last["flexdemo/dense_bytes"] / last["step"]
+    return result
+
+
+class Runs:
+    """Every finished run, kept in ``runs.json`` so that an interrupted study resumes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.items = json.loads(path.read_text()) if path.exists() else []
+
+    def get(self, model, name, lr, seed, steps, work, batch) -> dict:
+        for item in self.items:
+            if (item["model"], item["config"], item["lr"], item["seed"], item["steps"]) == (
+                model,
+                name,
+                lr,
+                seed,
+                steps,
+            ):
+                return item
+        item = run(model, name, lr, seed, steps, work, batch)
+        self.items.append(item)
+        self.path.write_text(json.dumps(self.items, indent=1))
+        print(f"{model} {name} lr={lr:g} seed={seed}: eval loss {item['final_eval_loss']:.4f}", flush=True)
+        return item
+
+
+def study(args) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = Runs(args.out / "runs.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.configs:
+            base = CONFIGS[name][2]
+            swept = [runs.get(args.model, name, base * f, 0, args.steps, Path(tmp), args.batch) for f in SWEEP]
+            best = min(swept, key=lambda r: r["final_eval_loss"] if math.isfinite(r["final_eval_loss"]) else math.inf)
+            for seed in args.seeds:
+                runs.get(args.model, name, best["lr"], seed, args.steps, Path(tmp), args.batch)
+
+
+def summarize(items: list[dict]) -> dict[str, dict]:
+    """Per (model, config): the seeds at the chosen (best-on-seed-0) learning rate."""
+    table = {}
+    for key in sorted({(i["model"], i["config"]) for i in items}):
+        mine = [i for i in items if (i["model"], i["config"]) == key]
+        seed0 = [i for i in mine if i["seed"] == 0]
+        lr = min(seed0, key=lambda r: r["final_eval_loss"])["lr"]
+        chosen = [i for i in mine if i["lr"] == lr]
+        losses = [i["final_eval_loss"] for i in chosen]
+        row = {
+            "lr": lr,
+            "seeds": len(chosen),
+            "loss_mean": statistics.mean(losses),
+            "loss_spread": (max(losses) - min(losses)) / 2,
+            "step_s": statistics.median(i["step_s"] for i in chosen),
+            "runs": chosen,
+        }
+        if "bytes_per_step" in chosen[0]:
+            row["bytes_per_step"] = statistics.median(i["bytes_per_step"] for i in chosen)
+            row["dense_bytes_per_step"] = statistics.median(i["dense_bytes_per_step"] for i in chosen)
+        table[key] = row
+    for (model, name), row in table.items():
+        dense = next(
+            (r["dense_bytes_per_step"] for (m, _), r in table.items() if m == model and "dense_bytes_per_step" in r),
+            None,
+        )
+        if name == "adamw_hsdp" and dense is not None:
+            row["bytes_per_step"] = dense  # its all-reduce: the dense bytes the FlexDeMo runs count
+        if dense and row.get("bytes_per_step"):
+            row["ratio_to_dense"] = dense / row["bytes_per_step"]
+        baseline = table.get((model, "adamw_hsdp"))
+        if baseline:
+            row["vs_adamw"] = row["loss_mean"] / baseline["loss_mean"] - 1
+    return table
+
+
+def report(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = summarize(json.loads((out / "runs.json").read_text()))
+    lines = [
+        "| model | config | lr | seeds | final val. loss (mean +- half-range) | vs AdamW-HSDP "
+        "| bytes/step (node 0) | x fewer than dense | step (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]  # fmt: skip
+    for (model, name), row in table.items():
+        lines.append(
+            f"| {model} | {name} | {row['lr']:g} | {row['seeds']} | {row['loss_mean']:.4f} +- {row['loss_spread']:.4f} "
+            f"| {row.get('vs_adamw', float('nan')):+.1%} | {row.get('bytes_per_step', float('nan')):,.0f} "
+            f"| {row.get('ratio_to_dense', float('nan')):.0f} | {row['step_s']:.3f} |"
+        )
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    for model in sorted({m for m, _ in table}):
+        rows = {name: row for (m, name), row in table.items() if m == model}
+        for axis in ("steps", *RATES):
+            fig, ax = plt.subplots(figsize=(8, 5))
+            for name, row in rows.items():
+                curves = [r["eval_curve"] for r in row["runs"]]
+                steps = [s for s, _ in curves[0]]
+                mean = [statistics.mean(c[i][1] for c in curves) for i in range(len(steps))]
+                if axis == "steps":
+                    xs = steps
+                else:
+                    per_step = row["step_s"] + 8 * row.get("bytes_per_step", 0) / RATES[axis]
+                    xs = [s * per_step for s in steps]
+                ax.plot(xs, mean, label=name)
+            ax.set_xlabel("step" if axis == "steps" else f"modelled wall-clock at {axis} (s)")
+            ax.set_ylabel("validation loss (mean over seeds)")
+            ax.set_title(f"{model}, offline preset, 2 nodes x 2 processes")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(out / f"{model}_loss_vs_{'steps' if axis == 'steps' else 'time_' + axis}.png", dpi=110)
+            plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("olmo2", "t5"), default="olmo2")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=8, help="per process")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality")
+    parser.add_argument("--report", type=Path, help="only write the table and plots of this study directory")
+    args = parser.parse_args()
+    if args.report:
+        report(args.report)
+        return
+    study(args)
+    report(args.out)
+
+
+if __name__ == "__main__":
+    main()
