@@ -38,6 +38,9 @@ CONFIGS = {
     "flexdemo random": dict(scheme="random"),
     "flexdemo striding": dict(scheme="striding"),
     "flexdemo diloco (H=--steps)": dict(scheme="diloco"),
+    "flexdemo sparseloco top-64 2-bit + packed (H=--steps)": dict(
+        scheme="sparseloco", topk=64, value_bits=2, pack_indices=True
+    ),
     "flexdemo full": dict(scheme="full"),
 }
 
@@ -57,7 +60,7 @@ def run_config(name, kwargs, shapes, mesh, steps, repeats, seed=0):
         opt = torch.optim.AdamW(params, lr=1e-4)
     else:
         # DiLoCo: one outer step per timed run of `steps`, so time and bytes are amortized over H.
-        extra = {"inner_steps": steps} if kwargs.get("scheme") == "diloco" else {}
+        extra = {"inner_steps": steps} if kwargs.get("scheme") in ("diloco", "sparseloco") else {}
         opt = FlexDeMo(params, lr=1e-4, mesh=mesh, **kwargs, **extra)
 
     def step():

@@ -52,6 +52,11 @@ WAIT_NOTICE_S = 5.0
 """How often a node waiting for its quorum says so, and who is missing."""
 MAX_UNCOMMITTED = 10
 """Steps in a row a node may fail to commit before it stops (a streak means the quorum cannot work)."""
+MAX_FAILED_JOINS = 3
+"""Quorums in a row this node may fail to join (its recovery or process group failed) before it stops.
+
+While it fails, the other nodes wait up to ``ft_timeout`` in each step's collective for it, so
+it gives up well before they would (``MAX_UNCOMMITTED``): relaunched, it tries afresh."""
 NODE_STATE_KEY = "flexdemo_node"
 """The first entry of the state a healing node receives: the peer's settings, checked before anything loads."""
 
@@ -198,6 +203,8 @@ class ManagedReplicas:
         self._round_open = False
         self._met = False  # whether a quorum has formed yet
         self._uncommitted = 0  # steps in a row not committed
+        self._failed_joins = 0  # quorums in a row this node failed to join
+        self._state_fns: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self._healed = False
         self._describers: dict[str, Callable[[], Any]] = {}
         timeout = timedelta(seconds=config.ft_timeout)
@@ -253,22 +260,27 @@ class ManagedReplicas:
     def register(self, key: str, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
         """Serve ``state()`` to nodes that heal from this one; ``load`` applies a peer's on this node.
 
-        ``state()`` must return copies: torchft serves it while this node trains on.
+        ``state()`` must return copies: torchft serves it while this node trains on. Registering
+        a key again (a second Trainer in the process) replaces its functions.
         """
+        if key not in self._state_fns:
+            self.manager.register_state_dict_fn(key, lambda value: self._load(key, value), lambda: self._serve(key))
+        self._state_fns[key] = (state, load)
 
-        def load_and_mark(value: Any) -> None:
-            try:
-                load(value)
-            except FaultToleranceError:
-                raise
-            except Exception as e:
-                raise FaultToleranceError(
-                    f"FlexDeMo fault tolerance: {self.identity.name} could not take the live state ({key!r}) of a "
-                    f"peer: {type(e).__name__}: {e}"
-                ) from e
-            self._healed = True
+    def _serve(self, key: str) -> Any:
+        return self._state_fns[key][0]()
 
-        self.manager.register_state_dict_fn(key, load_and_mark, state)
+    def _load(self, key: str, value: Any) -> None:
+        try:
+            self._state_fns[key][1](value)
+        except FaultToleranceError:
+            raise
+        except Exception as e:
+            raise FaultToleranceError(
+                f"FlexDeMo fault tolerance: {self.identity.name} could not take the live state ({key!r}) of a "
+                f"peer: {type(e).__name__}: {e}"
+            ) from e
+        self._healed = True
 
     def describe(self, part: str, describe: Callable[[], Any]) -> None:
         """What must be equal on every node (settings, shapes): compared when a node first takes a peer's state."""
@@ -307,14 +319,32 @@ class ManagedReplicas:
             raise
         except Exception as e:
             raise FaultToleranceError(
-                f"FlexDeMo fault tolerance: {self.identity.name} got no quorum of min_replicas="
-                f"{self.config.min_replicas} live nodes within quorum_timeout={self.config.quorum_timeout:g} s "
-                f"({type(e).__name__}: {e}). {lighthouse_status(self.identity.lighthouse)}. Stopping; every "
+                f"FlexDeMo fault tolerance: {self.identity.name} could not join a quorum of min_replicas="
+                f"{self.config.min_replicas} live nodes (quorum_timeout={self.config.quorum_timeout:g} s): "
+                f"{type(e).__name__}: {e}. {lighthouse_status(self.identity.lighthouse)}. Stopping; every "
                 "completed checkpoint is whole."
             ) from e
         finally:
             done.set()
         self._round_open = self._met = True
+        error = self.manager.errored()
+        if error is None:
+            self._failed_joins = 0
+        else:  # the quorum formed, but this node's recovery or process group set-up failed
+            self._failed_joins += 1
+            if self._failed_joins >= MAX_FAILED_JOINS:
+                raise FaultToleranceError(
+                    f"FlexDeMo fault tolerance: {self.identity.name} failed to join {self._failed_joins} quorums in a "
+                    f"row ({error.original_exception}); it stops so that the other nodes are not held up. Relaunch "
+                    "it once the cause is fixed (a peer's host name must resolve from here, and one shard must "
+                    "transfer within ft_timeout)."
+                )
+            logger.warning(
+                "FlexDeMo fault tolerance: %s could not join this step's quorum (%s); the step will be undone and "
+                "it tries again at the next one.",
+                self.identity.name,
+                error.original_exception,
+            )
         if self._healed:
             logger.warning(
                 "FlexDeMo fault tolerance: %s took the parameters and training position from a live peer "
@@ -336,6 +366,11 @@ class ManagedReplicas:
                 self.config.quorum_timeout,
                 lighthouse_status(self.identity.lighthouse),
             )
+
+    @property
+    def round_open(self) -> bool:
+        """Whether this step's quorum is joined and not yet committed."""
+        return self._round_open
 
     def commit(self) -> bool:
         """Every process of the node agrees whether the step stands; False: undo it."""

@@ -14,11 +14,14 @@ import sys
 import time
 
 import pytest
+import torch
 from support.ft_nodes import Lighthouse, Node, free_port, wait_until
 from support.launch import child_env
 
+from hf_flexdemo import FlexDeMo
 from hf_flexdemo.config import FlexDeMoConfig
 from hf_flexdemo.fault_tolerance import NodeIdentity
+from hf_flexdemo.topology import ReplicaTopology
 
 pytest.importorskip("torchft", reason="torchft is part of the test install (setup.cfg [test])")
 
@@ -74,9 +77,9 @@ def losses_fell(result: dict) -> bool:
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("scheme", ["demo", "diloco"])
+@pytest.mark.parametrize("scheme", ["demo", "diloco", "sparseloco"])
 def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, scheme):
-    extra = ",inner_steps=4" if scheme == "diloco" else ""
+    extra = ",inner_steps=4" if scheme in ("diloco", "sparseloco") else ""
     flags = [*TINY, "--max_steps", "100", "--step_delay", "0.15", *ft_args(f",scheme={scheme}{extra}")]
     nodes = nodes_of(2, lighthouse, tmp_path, *flags)
     for node in nodes:
@@ -104,7 +107,8 @@ def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, sc
         survivor, returned = nodes[0].result(rank), nodes[1].result(rank)
         assert survivor["fingerprint"] == returned["fingerprint"], f"rank {rank}: nodes end with different parameters"
         assert survivor["global_step"] == returned["global_step"] == 100
-        assert losses_fell(survivor) and losses_fell(returned)
+        assert losses_fell(survivor)
+        assert returned["losses"][-1][1] < survivor["losses"][0][1]  # it trains on from the live state
     assert "took the parameters and training position from a live peer" in nodes[1].log()
 
 
@@ -124,8 +128,7 @@ def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(lighthouse, tm
         at = {p["step"]: p for p in survivor.progress()}
         assert at[died_in]["replicas"] == 3
         assert at[died_in]["committed"] == at[died_in - 1]["committed"], "a step whose exchange lost a node committed"
-        after = at[died_in + 1]
-        assert after["replicas"] == 2 and after["committed"] == at[died_in - 1]["committed"] + 1
+        assert any(p["replicas"] == 2 and p["committed"] > at[died_in]["committed"] for p in at.values())
     first, second = nodes[0].result(0), nodes[1].result(0)
     assert first["fingerprint"] == second["fingerprint"]
     assert first["committed"] == second["committed"]
@@ -326,3 +329,97 @@ def test_the_waiting_message_names_who_is_missing_from_the_lighthouse():
     finally:
         server.shutdown()
     assert "does not answer" in lighthouse_status(address)
+
+
+class OneReplicaQuorum:
+    """Stands in for ManagedReplicas in one process: one replica, each commit decided by the test."""
+
+    def __init__(self, commits: list[bool]):
+        self.commits, self.round_open, self.served = list(commits), False, {}
+
+    def register(self, key, state, load):
+        self.served[key] = (state, load)
+
+    def describe(self, part, describe):
+        pass
+
+    def begin(self) -> bool:
+        self.round_open = True
+        return False
+
+    def commit(self) -> bool:
+        self.round_open = False
+        return self.commits.pop(0)
+
+    def topology(self):
+        return ReplicaTopology.single()
+
+
+def _tiny_params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((16, 12), (7,), (5, 3, 3))]
+
+
+def _grads(step: int, params):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=g) for p in params]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("scheme", ["demo", "random", "striding", "full", "none", "diloco", "sparseloco"])
+def test_a_step_the_node_does_not_commit_leaves_no_trace(scheme):
+    """Steps 1, 2 commit, step 3 does not, step 4 does: the same as a twin that never saw step 3."""
+    hp = dict(scheme=scheme, lr=0.05, weight_decay=0.1, topk=3, chunk=4, rate=0.25, inner_steps=2, value_bits=0)
+    if scheme in ("demo", "sparseloco"):
+        hp.update(value_bits=2, rounding="stochastic")
+    params, twins = _tiny_params(), _tiny_params()
+    opt, twin = FlexDeMo(params, **hp), FlexDeMo(twins, **hp)
+    opt.attach_managed(OneReplicaQuorum([True, True, False, True]))
+    twin.attach_managed(OneReplicaQuorum([True, True, True]))
+    for step, twin_step in ((0, 0), (1, 1), (2, None), (3, 2)):
+        before = ([p.detach().clone() for p in params], copy_state(opt))
+        for p, g in zip(params, _grads(step, params)):
+            p.grad = g
+        opt.step()
+        if twin_step is None:  # not committed: parameters and every state tensor as they were
+            assert all(torch.equal(a, b) for a, b in zip(before[0], params))
+            assert copy_state(opt) == before[1]
+            continue
+        for p, g in zip(twins, _grads(step, twins)):
+            p.grad = g
+        twin.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twins))
+    assert copy_state(opt) == copy_state(twin)
+
+
+def copy_state(opt) -> dict:
+    """Every state tensor as bytes, comparable with ==."""
+    return {
+        (i, key): value.detach().clone().numpy().tobytes()
+        for i, p in enumerate(opt._ordered_params())
+        for key, value in opt.state[p].items()
+        if hasattr(value, "numpy")
+    }
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("scheme", ["demo", "diloco"])
+def test_a_healing_node_takes_parameters_shared_state_and_the_learning_rate(scheme):
+    hp = dict(scheme=scheme, lr=0.05, topk=3, chunk=4, inner_steps=3)
+    peer_params, mine = _tiny_params(0), _tiny_params(1)
+    peer, node = FlexDeMo(peer_params, **hp), FlexDeMo(mine, **hp)
+    for step in range(4):
+        for p, g in zip(peer_params, _grads(step, peer_params)):
+            p.grad = g
+        peer.step()
+    peer.param_groups[0]["lr"] = 0.0123  # where the peer's scheduler is
+    node.load_replica_state(peer.replica_state())
+    assert node.param_groups[0]["lr"] == 0.0123
+    for p, q in zip(mine, peer_params):
+        assert int(node.state[p]["step"]) == int(peer.state[q]["step"]) == 4
+        if scheme == "diloco":  # the inner loop restarts from the anchor, not from the peer's inner progress
+            assert torch.equal(p.detach(), peer.state[q]["anchor"])
+            assert torch.equal(node.state[p]["outer_momentum"], peer.state[q]["outer_momentum"])
+        else:
+            assert torch.equal(p.detach(), q.detach())
+            assert "momentum_dct" not in node.state[p]  # its own momentum: none yet, zeros at its first step

@@ -50,7 +50,7 @@ def prepare_fault_tolerant_trainer(trainer, config: FlexDeMoConfig) -> None:
     replicas.describe(
         "trainer",
         lambda: {
-            "max_steps": args.max_steps,
+            "max_steps": trainer.state.max_steps,
             "per_device_train_batch_size": args.per_device_train_batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
         },
@@ -71,14 +71,20 @@ def _refuse_multi_node_launch(trainer) -> None:
 
 
 def split_by_node(dataset, identity: NodeIdentity):
-    """This node's share of the training data: every ``replica_groups``-th example from its index."""
+    """This node's share of the training data: the ``replica_group``-th of ``replica_groups`` equal parts.
+
+    Equal, so that every node counts the same steps per epoch (a remainder is left out).
+    """
     count, index = identity.replica_groups, identity.replica_group
     if count == 1:
         return dataset
+    sized = hasattr(dataset, "__len__")
     if hasattr(dataset, "shard"):  # datasets.Dataset and IterableDataset
         part = dataset.shard(num_shards=count, index=index)
-    elif hasattr(dataset, "__len__"):
-        part = torch.utils.data.Subset(dataset, range(index, len(dataset), count))
+        if sized:
+            part = part.select(range(len(dataset) // count))
+    elif sized:
+        part = torch.utils.data.Subset(dataset, range(index, len(dataset) // count * count, count))
     else:
         raise ValueError(
             f"fault_tolerance='torchft': the training data ({type(dataset).__name__}) has neither shard() nor a "

@@ -273,7 +273,12 @@ class FlexDeMo(torch.optim.Optimizer):
                 "The Trainer and Accelerate attach it; in your own loop call "
                 "optimizer.attach_managed(hf_flexdemo.fault_tolerance.node_replicas(optimizer.config))."
             )
-        creating_state = managed is not None and not self.state and self._is_state_creation()
+        creating_state = (
+            managed is not None
+            and not managed.round_open
+            and not any(self.state.values())
+            and self._is_state_creation()
+        )
         if managed is None:
             self.topology  # noqa: B018  (decides the topology and state layout on first use)
         slots = self._slots(with_grads=not sync_only)
@@ -281,13 +286,17 @@ class FlexDeMo(torch.optim.Optimizer):
             return False
         in_round = managed is not None and not creating_state
         if in_round:
-            if sync_only and ("step" not in slots[0].state or not self._needs_sync(slots)):
-                return False
+            if sync_only and "step" not in slots[0].state:
+                return False  # nothing trained yet
             if managed.begin() and not sync_only:
                 # The round opened here, after the backward pass, and replaced the parameters: this
                 # gradient belongs to the old ones, so the step folds in nothing.
                 for slot in slots:
                     slot.grad = torch.zeros_like(slot.param)
+            if sync_only and not self._needs_sync(slots):
+                # Decided after healing, so every node decides alike; the round closes with nothing sent.
+                managed.commit()
+                return False
         topology = ReplicaTopology.single() if creating_state else self.topology
         if "step" not in slots[0].state:
             self._start(slots)
@@ -304,13 +313,15 @@ class FlexDeMo(torch.optim.Optimizer):
             replicas=topology.size,
             generator=torch.Generator().manual_seed(self.config.seed * 1_000_003 + step),
         )
+        if self.config.rounding == "stochastic":  # each replica its own draws: rounding errors independent
+            ctx.noise = torch.Generator().manual_seed((self.config.seed * 1_000_003 + step) * 1_009 + topology.rank)
         if not sync_only:
             for slot in slots:
                 self.scheme.init_state(slot)
                 if self._verify_state:
                     self.scheme.check_state(slot)
             self._verify_state = False
-        undo = _snapshot(slots, undo_step=not sync_only) if in_round else None
+        undo = self._snapshot(slots, undo_step=not sync_only) if in_round else None
         if not sync_only:
             for slot in slots:
                 wd = slot.group["weight_decay"]
@@ -334,6 +345,18 @@ class FlexDeMo(torch.optim.Optimizer):
         for slot, part in zip(job.slots, self._split(received, job)):
             self.scheme.apply(slot, part, job.ctx)
         self._count(job, stats)
+
+    def _snapshot(self, slots: list[ParamSlot], undo_step: bool) -> list:
+        """Copies of what a step changes before its exchange, to undo it: the step count, the state the
+        scheme's local maths changes, and the parameters where weight decay or local steps move them."""
+        keys = self.scheme.local_keys
+        saved = []
+        for slot in slots:
+            tensors = {k: local_tensor(slot.state.raw[k]).clone() for k in keys if k in slot.state.raw}
+            tensors["step"] = slot.state.raw["step"] - (1 if undo_step else 0)  # the count already moved on
+            moved = self.scheme.moves_parameters_locally or slot.group["weight_decay"] != 0
+            saved.append((slot, slot.param.clone() if moved else None, tensors))
+        return saved
 
     def _needs_sync(self, slots: list[ParamSlot]) -> bool:
         return self.scheme.needs_sync(slots[0].state, int(slots[0].state.raw["step"]))
@@ -504,9 +527,11 @@ class FlexDeMo(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def replica_state(self) -> dict[str, Any]:
-        """Copies of what must be equal on every replica: parameters, step counts, the scheme's shared state."""
+        """Copies of what must be equal on every replica: parameters, step counts, the scheme's shared state,
+        and the groups' hyperparameters (the lr a scheduler has set)."""
         keep = ("step", *self.scheme.shared_keys)
         return {
+            "groups": [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups],
             "params": [local_tensor(p).detach().clone() for p in self._ordered_params()],
             "state": [
                 {k: local_tensor(v).clone() for k, v in self.state.get(p, {}).items() if k in keep}
@@ -514,9 +539,14 @@ class FlexDeMo(torch.optim.Optimizer):
             ],
         }
 
+    @torch.no_grad()
     def load_replica_state(self, peer: dict[str, Any]) -> None:
         """Take a peer's parameters and shared state; this replica's own momentum stays (see fault_tolerance)."""
         self._pending = None
+        if self._store is None:  # not attached yet: each node keeps its own state layout
+            self._set_topology(ReplicaTopology.single())
+        for group, saved in zip(self.param_groups, peer["groups"]):
+            group.update(saved)
         for p, value, state in zip(self._ordered_params(), peer["params"], peer["state"]):
             local_tensor(p).data.copy_(value)
             mine = StateView(self._store, p, local_tensor(p), self.state[p])
@@ -527,6 +557,7 @@ class FlexDeMo(torch.optim.Optimizer):
                     mine.shared(key, lambda v=peer_value: v.clone())
                 else:  # a count
                     self.state[p][key] = peer_value.clone()
+            self.scheme.healed(local_tensor(p), StateView(self._store, p, local_tensor(p), self.state[p]))
         self._verify_state = True
 
     def _describe_layout(self) -> dict[str, Any]:
@@ -574,21 +605,10 @@ class FlexDeMo(torch.optim.Optimizer):
                     self.state[p][key] = value.to(device=current.device, copy=True)
 
 
-def _snapshot(slots: list[ParamSlot], undo_step: bool) -> list:
-    """Copies of what a step changes before its exchange: parameters (weight decay, DiLoCo's inner
-    step) and every state tensor (momentum, Adam moments)."""
-    saved = []
-    for slot in slots:
-        tensors = {k: local_tensor(v).clone() for k, v in slot.state.raw.items() if torch.is_tensor(v)}
-        if undo_step:
-            tensors["step"] = tensors["step"] - 1  # taken after the step count moved on
-        saved.append((slot, slot.param.clone(), tensors))
-    return saved
-
-
 def _restore(saved: list) -> None:
     for slot, param, tensors in saved:
-        slot.param.copy_(param)
+        if param is not None:
+            slot.param.copy_(param)
         for key, value in tensors.items():
             local_tensor(slot.state.raw[key]).copy_(value)
         slot.carried = None

@@ -40,6 +40,9 @@ class StepContext:
     """Whether this step exchanges anything across replicas."""
     replicas: int
     generator: torch.Generator | None = None
+    """Shared by every replica (the same draws everywhere: random's positions)."""
+    noise: torch.Generator | None = None
+    """This replica's own draws (stochastic rounding)."""
 
 
 @dataclass
@@ -65,6 +68,10 @@ class ReplicationScheme(ABC):
     collective: Collective
     shared_keys: tuple[str, ...] = ()
     """State entries equal on every replica: a node that heals copies them from a peer (besides ``step``)."""
+    local_keys: tuple[str, ...] = ()
+    """State entries ``local_step`` changes before the exchange (undone if the step is not committed)."""
+    moves_parameters_locally = False
+    """Whether ``local_step`` changes the parameters (undone too)."""
 
     def __init__(self, config: FlexDeMoConfig):
         self.config = config
@@ -91,6 +98,9 @@ class ReplicationScheme(ABC):
 
     def check_state(self, slot: ParamSlot) -> None:
         """Check existing state against this run's layout: at the first step and after a load only."""
+
+    def healed(self, param: torch.Tensor, state: StateView) -> None:
+        """After this replica took a peer's parameters and shared state (fault tolerance)."""
 
     @abstractmethod
     def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:

@@ -75,7 +75,7 @@ class DeMoScheme(MomentumScheme):
         if not ctx.replicate or plan.n_tiles == 0:
             return []
         indices, values = select_topk(q, plan)
-        sent, decoded = self.wire.encode(indices, values, plan, self.wire_dtype(slot), ctx.generator)
+        sent, decoded = self.wire.encode(indices, values, plan, self.wire_dtype(slot), ctx.noise)
         # Subtract what travels (as the receivers will decode it) so the rounding error stays in Q.
         q.view(-1).index_add_(0, flat_positions(indices, plan), decoded.reshape(-1).to(q.dtype), alpha=-1.0)
         slot.carried = plan

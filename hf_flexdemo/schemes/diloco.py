@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..state_store import StateView
+from ..state_store import StateStore, StateView
 from .base import Collective, ParamSlot, ReplicationScheme, StepContext
 from .momentum import momentum_dtype
 
@@ -29,6 +29,8 @@ class DiLoCoScheme(ReplicationScheme):
     name = "diloco"
     collective = Collective.ALL_REDUCE
     shared_keys = ("anchor", "outer_momentum", "last_outer_step")
+    local_keys = ("exp_avg", "exp_avg_sq")
+    moves_parameters_locally = True
 
     def is_replication_step(self, step: int, forced: bool = False) -> bool:
         return forced or step % self.config.inner_steps == 0
@@ -46,6 +48,11 @@ class DiLoCoScheme(ReplicationScheme):
             slot.state.per_replica(key, lambda: torch.zeros_like(p, dtype=momentum_dtype(p)))
         slot.state.shared("outer_momentum", lambda: torch.zeros_like(p))
         slot.state.raw.setdefault("last_outer_step", torch.zeros((), dtype=torch.int64))
+
+    def healed(self, param: torch.Tensor, state: StateView) -> None:
+        # Restart the inner loop from the anchor: the peer's inner progress is the peer's to send.
+        if "anchor" in state.raw:  # (at step 0 the peer has none yet: its parameters are the anchor)
+            param.copy_(StateStore.local(state.raw["anchor"], param))
 
     def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
         if slot.grad is not None:

@@ -29,6 +29,10 @@ class MomentumScheme(ReplicationScheme):
 
     momentum_key = "momentum"
 
+    @property
+    def local_keys(self) -> tuple[str, ...]:
+        return (self.momentum_key,)
+
     def init_state(self, slot: ParamSlot) -> None:
         self.momentum(slot)
 

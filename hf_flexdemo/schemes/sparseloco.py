@@ -41,6 +41,7 @@ class SparseLoCoScheme(DiLoCoScheme):
     name = "sparseloco"
     collective = Collective.ALL_GATHER
     shared_keys = ("anchor", "last_outer_step")
+    local_keys = ("exp_avg", "exp_avg_sq", ERROR_FEEDBACK)
 
     def __init__(self, config: FlexDeMoConfig):
         super().__init__(config)
@@ -71,7 +72,7 @@ class SparseLoCoScheme(DiLoCoScheme):
             return []
         matrix = error.view(plan.rows, plan.cols)
         indices, values = select_topk(matrix, plan)
-        sent, decoded = self.wire.encode(indices, values, plan, self.wire_dtype(slot), ctx.generator)
+        sent, decoded = self.wire.encode(indices, values, plan, self.wire_dtype(slot), ctx.noise)
         matrix.view(-1).index_add_(0, flat_positions(indices, plan), decoded.reshape(-1).to(error.dtype), alpha=-1.0)
         return sent
 

@@ -34,7 +34,7 @@ def free_port() -> int:
 class Lighthouse:
     """``torchft_lighthouse`` started as its users start it, on a free loopback port."""
 
-    def __init__(self, log: Path, min_replicas: int = 1, heartbeat_timeout_ms: int = 1500, join_timeout_ms: int = 2000):
+    def __init__(self, log: Path, min_replicas: int = 1, heartbeat_timeout_ms: int = 2000, join_timeout_ms: int = 2000):
         self.port = free_port()
         self.address = f"http://127.0.0.1:{self.port}"
         binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
