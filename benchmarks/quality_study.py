@@ -188,7 +188,7 @@ def report(out: Path) -> None:
         rows = {name: row for (m, name), row in table.items() if m == model}
         for axis in ("steps", *RATES):
             fig, ax = plt.subplots(figsize=(8, 5))
-            for name, row in rows.items():
+            for index, (name, row) in enumerate(rows.items()):
                 curves = [r["eval_curve"] for r in row["runs"]]
                 steps = [s for s, _ in curves[0]]
                 mean = [statistics.mean(c[i][1] for c in curves) for i in range(len(steps))]
@@ -197,7 +197,8 @@ def report(out: Path) -> None:
                 else:
                     per_step = row["step_s"] + 8 * row.get("bytes_per_step", 0) / RATES[axis]
                     xs = [s * per_step for s in steps]
-                ax.plot(xs, mean, label=name)
+                style = "-" if index < 10 else "--"  # the default cycle has ten colours
+                ax.plot(xs, mean, style, label=name, linewidth=2.5 if name == "adamw_hsdp" else 1.5)
             ax.set_xlabel("step" if axis == "steps" else f"modelled wall-clock at {axis} (s)")
             ax.set_ylabel("validation loss (mean over seeds)")
             ax.set_title(f"{model}, offline preset, 2 nodes x 2 processes")
