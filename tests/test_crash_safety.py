@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 from support.accelerate_runs import launch_command
 from support.faults import kill_during_saves, small_disk, wait_for, workers
-from support.launch import REPO_ROOT, child_env, run_checked
+from support.launch import REPO_ROOT, child_env, free_port, port_open, run_checked
 
 from hf_flexdemo.integrations.checkpoints import MARKER, checkpoints, incomplete_reason
 
@@ -36,17 +35,6 @@ RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 def t5_command(output_dir: Path, *flags: str, launch: tuple[str, ...] = (), config: str = "cpu_2x2.yaml") -> list[str]:
     return launch_command(*launch, SCRIPT, "--output_dir", str(output_dir), *FLAGS, *flags, config=config)
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:

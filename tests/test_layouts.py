@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 
 import pytest
 from support.accelerate_runs import COMMON, launch_command
-from support.launch import REPO_ROOT, TESTS_DIR, child_env, torchrun
+from support.launch import REPO_ROOT, TESTS_DIR, child_env, free_port, torchrun
 
 pytestmark = pytest.mark.multiprocess
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_nodes_with_one_process_each_train_flexdemo_in_step(tmp_path):

@@ -557,7 +557,7 @@ class FlexDeMo(torch.optim.Optimizer):
                     mine.shared(key, lambda v=peer_value: v.clone())
                 else:  # a count
                     self.state[p][key] = peer_value.clone()
-            self.scheme.healed(local_tensor(p), StateView(self._store, p, local_tensor(p), self.state[p]))
+            self.scheme.healed(local_tensor(p), mine)
         self._verify_state = True
 
     def _describe_layout(self) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +19,9 @@ from pathlib import Path
 import psutil
 
 from .accelerate_runs import launch_command
-from .launch import TESTS_DIR, child_env
+from .launch import TESTS_DIR, child_env, free_port, port_open
 
 WORKER = str(TESTS_DIR / "workers" / "ft_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Lighthouse:
@@ -56,11 +49,6 @@ class Lighthouse:
         self.proc.kill()
         self.proc.wait()
         self.log.close()
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def wait_until(condition, timeout: float, what: str, every: float = 0.2) -> None:
