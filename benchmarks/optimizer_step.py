@@ -35,6 +35,7 @@ CONFIGS = {
     "flexdemo demo 4-bit + packed": dict(scheme="demo", value_bits=4, pack_indices=True),
     "flexdemo demo 1-bit + packed": dict(scheme="demo", value_bits=1, pack_indices=True),
     "flexdemo demo top-4 1-bit + packed": dict(scheme="demo", topk=4, value_bits=1, pack_indices=True),
+    "flexdemo demo shared indices": dict(scheme="demo", shared_indices=True),
     "flexdemo random": dict(scheme="random"),
     "flexdemo striding": dict(scheme="striding"),
     "flexdemo diloco (H=--steps)": dict(scheme="diloco"),

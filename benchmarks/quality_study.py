@@ -3,7 +3,7 @@
 Every run is a user's command: `accelerate launch --config_file accelerate_configs/cpu_2x2.yaml
 training_scripts/train_<model>.py --preset offline` with the configuration's `--optim` and
 `--optim_args`, evaluated every `steps / 10` steps. Each configuration's learning rate is
-chosen by a sweep on seed 0 (its base rate times 0.5, 1 and 2; best final validation loss),
+chosen by a sweep on seed 0 (the rates in ``CONFIGS``; best final validation loss),
 then every seed runs at that rate. Bytes per step are node 0's (`flexdemo/bytes_sent_per_step`);
 AdamW-HSDP's are the dense ring all-reduce of the same gradients (`flexdemo/dense_bytes`).
 
@@ -35,22 +35,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "accelerate_configs" / "cpu_2x2.yaml"
 RATES = {"100mbit": 100e6, "1gbit": 1e9}
-SWEEP = (0.5, 1.0, 2.0)
 
-# name: (--optim, --optim_args, base learning rate)
-# Sign-of-update schemes start at 2e-3: in a 100-step pilot (demo, 0.5/1/2 x 1e-3) 2e-3 won.
+# name: (--optim, --optim_args, the learning rates swept on seed 0)
+# The rates come from the 150-step pilot (BENCHMARKS.md): each configuration's best rate there
+# and twice it where the best sat at the top of the pilot's x0.5/1/2 sweep (DiLoCo's was inside
+# it, so 1.5x). Rates below the pilot's best lost in the pilot for every configuration.
 CONFIGS = {
-    "adamw_hsdp": ("adamw_torch", "", 1e-3),
-    "demo": ("flexdemo", "", 2e-3),
-    "demo_bf16": ("flexdemo", "value_dtype=bf16", 2e-3),
-    "demo_sign": ("flexdemo", "value_bits=1,pack_indices=true", 2e-3),
-    "demo_4bit": ("flexdemo", "value_bits=4,pack_indices=true", 2e-3),
-    "demo_2bit": ("flexdemo", "value_bits=2,pack_indices=true", 2e-3),
-    "demo_aggressive": ("flexdemo", "topk=4,chunk=64,value_bits=1,pack_indices=true", 2e-3),
-    "random": ("flexdemo", "scheme=random", 2e-3),
-    "striding": ("flexdemo", "scheme=striding", 2e-3),
-    "diloco": ("flexdemo", "scheme=diloco,inner_steps=20", 1e-3),
-    "sparseloco": ("flexdemo", "scheme=sparseloco,inner_steps=20,topk=64,value_bits=2,pack_indices=true", 1e-3),
+    "adamw_hsdp": ("adamw_torch", "", (2e-3, 4e-3)),
+    "demo": ("flexdemo", "", (4e-3, 8e-3)),
+    "demo_bf16": ("flexdemo", "value_dtype=bf16", (4e-3, 8e-3)),
+    "demo_sign": ("flexdemo", "value_bits=1,pack_indices=true", (4e-3, 8e-3)),
+    "demo_4bit": ("flexdemo", "value_bits=4,pack_indices=true", (4e-3, 8e-3)),
+    "demo_2bit": ("flexdemo", "value_bits=2,pack_indices=true", (4e-3, 8e-3)),
+    "demo_top16_2bit": ("flexdemo", "topk=16,value_bits=2,pack_indices=true", (4e-3, 8e-3)),
+    "demo_aggressive": ("flexdemo", "topk=4,chunk=64,value_bits=1,pack_indices=true", (4e-3, 8e-3)),
+    "demo_shared": ("flexdemo", "shared_indices=true", (4e-3, 8e-3)),
+    "random": ("flexdemo", "scheme=random", (4e-3, 8e-3)),
+    "striding": ("flexdemo", "scheme=striding", (4e-3, 8e-3)),
+    "diloco": ("flexdemo", "scheme=diloco,inner_steps=20", (1e-3, 1.5e-3)),
+    "sparseloco": ("flexdemo", "scheme=sparseloco,inner_steps=20,topk=64,value_bits=2,pack_indices=true", (2e-3, 4e-3)),
 }
 
 
@@ -62,13 +65,14 @@ def run(model: str, name: str, lr: float, seed: int, steps: int, work: Path, bat
         "--preset", "offline", "--output_dir", str(out), "--max_steps", str(steps), "--seed", str(seed),
         "--learning_rate", str(lr), "--optim", optim, "--logging_steps", str(eval_every),
         "--eval_strategy", "steps", "--eval_steps", str(eval_every), "--save_strategy", "no",
-        "--per_device_train_batch_size", str(batch), "--report_to", "none", "--warmup_steps", str(steps // 20),
-        "--max_eval_samples", "128",
+        "--report_to", "none", "--warmup_steps", str(steps // 20), "--max_eval_samples", "128",
     ]  # fmt: skip
+    if model == "olmo2":
+        args += ["--offline_text", "stdlib"]  # 4.6x the text: 250 steps are 2.3 epochs, not 11
+    if batch:
+        args += ["--per_device_train_batch_size", str(batch)]
     if optim_args:
         args += ["--optim_args", optim_args]
-    if model == "t5":
-        args += ["--predict_with_generate", "false"]
     script = ROOT / "training_scripts" / f"train_{model}.py"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), str(script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
@@ -85,6 +89,9 @@ def run(model: str, name: str, lr: float, seed: int, steps: int, work: Path, bat
         "eval_curve": evals, "final_eval_loss": evals[-1][1],
         "step_s": train["train_runtime"] / steps, "wall_s": time.time() - started,
     }  # fmt: skip
+    scores = [h for h in history if "eval_bleu" in h]
+    if scores:  # T5: the final evaluation's BLEU and chrF
+        result["bleu"], result["chrf"] = scores[-1]["eval_bleu"], scores[-1]["eval_chrf"]
     if logged:
         last = logged[-1]
         result["bytes_per_step"] = last["flexdemo/bytes_sent"] / last["step"]
@@ -121,8 +128,8 @@ def study(args) -> None:
     runs = Runs(args.out / "runs.json")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
-            base = CONFIGS[name][2]
-            swept = [runs.get(args.model, name, base * f, 0, args.steps, Path(tmp), args.batch) for f in SWEEP]
+            rates = CONFIGS[name][2]
+            swept = [runs.get(args.model, name, lr, 0, args.steps, Path(tmp), args.batch) for lr in rates]
             best = min(swept, key=lambda r: r["final_eval_loss"] if math.isfinite(r["final_eval_loss"]) else math.inf)
             for seed in args.seeds:
                 runs.get(args.model, name, best["lr"], seed, args.steps, Path(tmp), args.batch)
@@ -145,6 +152,10 @@ def summarize(items: list[dict]) -> dict[str, dict]:
             "step_s": statistics.median(i["step_s"] for i in chosen),
             "runs": chosen,
         }
+        for score in ("bleu", "chrf"):
+            if all(score in i for i in chosen):
+                values = [i[score] for i in chosen]
+                row[score] = (statistics.mean(values), (max(values) - min(values)) / 2)
         if "bytes_per_step" in chosen[0]:
             row["bytes_per_step"] = statistics.median(i["bytes_per_step"] for i in chosen)
             row["dense_bytes_per_step"] = statistics.median(i["dense_bytes_per_step"] for i in chosen)
@@ -171,17 +182,24 @@ def report(out: Path) -> None:
     import matplotlib.pyplot as plt
 
     table = summarize(json.loads((out / "runs.json").read_text()))
-    lines = [
-        "| model | config | lr | seeds | final val. loss (mean +- half-range) | vs AdamW-HSDP "
-        "| bytes/step (node 0) | x fewer than dense | step (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]  # fmt: skip
-    for (model, name), row in table.items():
-        lines.append(
-            f"| {model} | {name} | {row['lr']:g} | {row['seeds']} | {row['loss_mean']:.4f} +- {row['loss_spread']:.4f} "
-            f"| {row.get('vs_adamw', float('nan')):+.1%} | {row.get('bytes_per_step', float('nan')):,.0f} "
-            f"| {row.get('ratio_to_dense', float('nan')):.0f} | {row['step_s']:.3f} |"
-        )
+    lines = []
+    for model in sorted({m for m, _ in table}):
+        rows = {name: row for (m, name), row in table.items() if m == model}
+        scored = all("bleu" in row for row in rows.values())
+        extra = " BLEU | chrF |" if scored else ""
+        lines += [
+            f"| {model} | lr | seeds | final val. loss (mean +- half-range) | vs AdamW-HSDP |{extra} "
+            "bytes/step (node 0) | x fewer than dense | step (s) |",
+            "| --- " * (8 + 2 * scored) + "|",
+        ]  # fmt: skip
+        for name, row in rows.items():
+            scores = "".join(f" {row[s][0]:.2f} +- {row[s][1]:.2f} |" for s in ("bleu", "chrf")) if scored else ""
+            lines.append(
+                f"| {name} | {row['lr']:g} | {row['seeds']} | {row['loss_mean']:.4f} +- {row['loss_spread']:.4f} "
+                f"| {row.get('vs_adamw', float('nan')):+.1%} |{scores} {row.get('bytes_per_step', float('nan')):,.0f} "
+                f"| {row.get('ratio_to_dense', float('nan')):.0f} | {row['step_s']:.3f} |"
+            )
+        lines.append("")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     for model in sorted({m for m, _ in table}):
@@ -212,7 +230,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("olmo2", "t5"), default="olmo2")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=8, help="per process")
+    parser.add_argument("--batch", type=int, help="per process (default: the preset's, 8 for OLMo2, 16 for T5)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality")

@@ -35,6 +35,7 @@ GROUP_KEYS = ("lr", "weight_decay", "decay", "topk", "chunk", "sign", "betas", "
 
 OWN_KEYS = ("topk", "chunk", "decode", "value_dtype", "scheme", "replicate_every", "rate")
 OWN_KEYS += ("inner_steps", "outer_lr", "outer_momentum", "overlap", "pack_indices", "value_bits", "rounding")
+OWN_KEYS += ("shared_indices",)
 OWN_KEYS += ("fault_tolerance", "min_replicas", "ft_timeout", "quorum_timeout")
 """``optim_args`` keys that only FlexDeMo reads: with another ``optim`` they would be ignored."""
 
@@ -107,6 +108,13 @@ class FlexDeMoConfig:
             "help": "demo, sparseloco: send each index in the bits a tile position needs (12 for 64x64), not 16."
         },
     )
+    shared_indices: bool = field(
+        default=False,
+        metadata={
+            "help": "demo: every replica sends its coefficients at one index set, picked by each replica in turn "
+            "one step ahead, in an all-reduce: bytes per node stay flat as nodes are added (float32 on the wire)."
+        },
+    )
     fault_tolerance: str = field(
         default="off",
         metadata={
@@ -151,7 +159,7 @@ class FlexDeMoConfig:
                 f"FlexDeMo: rounding='stochastic' applies to value_bits 2, 4 or 8, not value_bits={self.value_bits}; "
                 "set value_bits=2 (or 4, 8), or leave rounding='nearest'."
             )
-        for name in ("overlap", "pack_indices"):
+        for name in ("overlap", "pack_indices", "shared_indices"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FlexDeMo: {name}={getattr(self, name)!r} is invalid; {name} must be True or False.")
         if self.overlap and self.scheme not in PER_STEP_SCHEMES:
@@ -159,6 +167,8 @@ class FlexDeMoConfig:
                 f"FlexDeMo: overlap=True applies to the per-step schemes {PER_STEP_SCHEMES}, not to "
                 f"scheme={self.scheme!r}."
             )
+        if self.shared_indices:
+            self._check_shared_indices()
         _check_float("rate", self.rate, low=0.0, high=1.0, low_open=True)
         _check_choice("fault_tolerance", self.fault_tolerance, FAULT_TOLERANCE)
         _check_int("min_replicas", self.min_replicas, low=1)
@@ -173,6 +183,23 @@ class FlexDeMoConfig:
         _check_int("inner_steps", self.inner_steps, low=1)
         _check_float("outer_lr", self.outer_lr, low=0.0)
         _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
+
+    def _check_shared_indices(self) -> None:
+        if self.scheme != "demo":
+            raise ValueError(
+                f"FlexDeMo: shared_indices=True applies to scheme='demo', not scheme={self.scheme!r}; "
+                "leave shared_indices=False."
+            )
+        # An all-reduce sums what it carries: per-tile codes and packed bits cannot be summed.
+        clashes = {"value_bits": self.value_bits != 0, "pack_indices": self.pack_indices}
+        clashes["value_dtype"] = self.value_dtype not in ("param", "fp32")
+        for name, clash in clashes.items():
+            if clash:
+                raise ValueError(
+                    f"FlexDeMo: {name}={getattr(self, name)!r} cannot be combined with shared_indices=True: the "
+                    "shared index set is summed over replicas in an all-reduce, so values and indices travel as "
+                    f"float32 numbers. Drop {name}, or drop shared_indices for DeMo's all-gather."
+                )
 
     @property
     def fault_tolerant(self) -> bool:

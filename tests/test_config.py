@@ -35,6 +35,10 @@ BAD = [
     (dict(value_bits=1, rounding="stochastic"), "rounding='stochastic'", "value_bits 2, 4 or 8"),
     (dict(rounding="up"), "rounding='up'", "'nearest', 'stochastic'"),
     (dict(scheme="sparseloco", overlap=True), "overlap=True", "per-step schemes"),
+    (dict(scheme="random", shared_indices=True), "shared_indices=True", "scheme='demo'"),
+    (dict(shared_indices=True, value_bits=1), "value_bits=1", "all-reduce"),
+    (dict(shared_indices=True, value_dtype="bf16"), "value_dtype='bf16'", "float32"),
+    (dict(shared_indices=True, pack_indices=True), "pack_indices=True", "Drop pack_indices"),
 ]
 
 

@@ -12,7 +12,7 @@ from support.launch import TESTS_DIR, read_rank_results, torchrun
 pytestmark = pytest.mark.multiprocess
 
 SYNCING = ("demo", "random", "striding", "full", "diloco", "sparseloco")
-SYNCING += ("demo_1bit_packed", "demo_4bit", "demo_2bit_stochastic", "sparseloco_2bit_packed")
+SYNCING += ("demo_1bit_packed", "demo_4bit", "demo_2bit_stochastic", "sparseloco_2bit_packed", "demo_shared")
 ALL = (*SYNCING, "none")
 
 
@@ -57,7 +57,7 @@ def test_counters_equal_the_bytes_put_on_the_wire(ranks, scheme):
 def test_one_packed_collective_per_replication_step(ranks):
     for rank in ranks:
         s = rank["schemes"]
-        for scheme in ("demo", "random", "striding", "full"):
+        for scheme in ("demo", "random", "striding", "full", "demo_shared"):
             assert [step["collectives"] for step in s[scheme]["per_step"][1:]] == [1] * 19
         for scheme in ("diloco", "sparseloco"):
             assert [step["collectives"] for step in s[scheme]["per_step"][1:]] == [
@@ -89,7 +89,7 @@ def test_sharded_replicas_match_the_one_process_reference(ranks, config):
         assert result["state_err"] <= 1e-12, result  # momentum, or DiLoCo's Adam moment and anchor
 
 
-@pytest.mark.parametrize("scheme", ["demo", "random", "diloco", "sparseloco", "demo_overlap"])
+@pytest.mark.parametrize("scheme", ["demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_shared"])
 def test_checkpoint_restores_every_replicas_own_state(ranks, scheme):
     for rank in ranks:
         result = rank["checkpoint"][scheme]

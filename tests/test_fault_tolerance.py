@@ -29,6 +29,8 @@ TINY = (
     "--per_device_train_batch_size 4 --learning_rate 1e-3 --logging_steps 5 --report_to none --seed 7 "
     "--save_strategy no --optim flexdemo"
 ).split()
+ALL_SCHEMES = ("demo", "random", "striding", "full", "diloco", "sparseloco", "demo_shared")
+"""Every scheme that exchanges, and demo over a shared index set."""
 
 
 def ft_args(extra: str = "", timeout: float = 10, quorum_timeout: float = 60) -> list[str]:
@@ -113,10 +115,12 @@ def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, sc
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("scheme", ["demo", "random", "striding", "full", "diloco", "sparseloco"])
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
 def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(lighthouse, tmp_path, scheme):
     """Three single-process nodes; node 2 dies inside a collective of a step all three joined (step 10 on)."""
     extra = ",inner_steps=5" if scheme in ("diloco", "sparseloco") else ""
+    if scheme == "demo_shared":
+        scheme, extra = "demo", ",shared_indices=true"
     flags = [*TINY, "--max_steps", "80", "--step_delay", "0.05", *ft_args(f",scheme={scheme}{extra}")]
     nodes = nodes_of(3, lighthouse, tmp_path, *flags, processes=1, extra={2: ("--kill_node_in_exchange_at", "10")})
     for node in nodes:
@@ -366,12 +370,14 @@ def _grads(step: int, params):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("scheme", ["demo", "random", "striding", "full", "none", "diloco", "sparseloco"])
+@pytest.mark.parametrize("scheme", [*ALL_SCHEMES, "none"])
 def test_a_step_the_node_does_not_commit_leaves_no_trace(scheme):
     """Steps 1, 2 commit, step 3 does not, step 4 does: the same as a twin that never saw step 3."""
     hp = dict(scheme=scheme, lr=0.05, weight_decay=0.1, topk=3, chunk=4, rate=0.25, inner_steps=2, value_bits=0)
     if scheme in ("demo", "sparseloco"):
         hp.update(value_bits=2, rounding="stochastic")
+    if scheme == "demo_shared":
+        hp.update(scheme="demo", shared_indices=True)
     params, twins = _tiny_params(), _tiny_params()
     opt, twin = FlexDeMo(params, **hp), FlexDeMo(twins, **hp)
     opt.attach_managed(OneReplicaQuorum([True, True, False, True]))
@@ -403,9 +409,10 @@ def copy_state(opt) -> dict:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("scheme", ["demo", "diloco"])
+@pytest.mark.parametrize("scheme", ["demo", "diloco", "demo_shared"])
 def test_a_healing_node_takes_parameters_shared_state_and_the_learning_rate(scheme):
-    hp = dict(scheme=scheme, lr=0.05, topk=3, chunk=4, inner_steps=3)
+    hp = dict(scheme=scheme.removesuffix("_shared"), shared_indices=scheme == "demo_shared")
+    hp.update(lr=0.05, topk=3, chunk=4, inner_steps=3)
     peer_params, mine = _tiny_params(0), _tiny_params(1)
     peer, node = FlexDeMo(peer_params, **hp), FlexDeMo(mine, **hp)
     for step in range(4):
@@ -423,3 +430,5 @@ def test_a_healing_node_takes_parameters_shared_state_and_the_learning_rate(sche
         else:
             assert torch.equal(p.detach(), q.detach())
             assert "momentum_dct" not in node.state[p]  # its own momentum: none yet, zeros at its first step
+        if scheme == "demo_shared":  # the set every replica sends at next
+            assert torch.equal(node.state[p]["shared_index_mask"], peer.state[q]["shared_index_mask"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from datasets import Dataset
-from offline_data import digit_images, english_paragraphs, shared_tokenizer, split, translation_pairs
+from offline_data import digit_images, english_paragraphs, shared_tokenizer, split, stdlib_docstrings, translation_pairs
 from transformers import TrainingArguments
 
 pytestmark = pytest.mark.unit
@@ -16,6 +16,19 @@ def test_sources_are_real_and_present():
     assert len(pairs) > 700 and {"en": "Enter a valid value.", "fr": "Saisissez une valeur valide."} in pairs
     images, labels = digit_images()
     assert images.shape == (1797, 8, 8) and images.max() == 255 and set(labels.tolist()) == set(range(10))
+
+
+def test_stdlib_docstrings_give_several_times_the_text_in_a_fixed_order():
+    docstrings = stdlib_docstrings()
+    assert sum(len(p.split()) for p in docstrings) > 3 * sum(len(p.split()) for p in english_paragraphs())
+    assert docstrings[0] == "Record of phased-in incompatible language changes."  # __future__.py: files sorted
+
+
+def test_an_unknown_offline_text_is_refused_naming_the_choices():
+    from train_olmo2 import Olmo2Arguments, load_texts
+
+    with pytest.raises(ValueError, match="--offline_text='wiki' is invalid; choose 'pydoc' or 'stdlib'"):
+        load_texts(Olmo2Arguments(preset="offline", offline_text="wiki"), seed=0)
 
 
 def test_unknown_translation_pair_is_refused():

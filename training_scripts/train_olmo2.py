@@ -24,7 +24,7 @@ import math
 from itertools import chain
 
 from datasets import Dataset, load_dataset
-from offline_data import bpe_tokenizer, english_paragraphs, shared_tokenizer, split
+from offline_data import bpe_tokenizer, english_paragraphs, shared_tokenizer, split, stdlib_docstrings
 from script_utils import (
     ScriptArguments,
     ScriptTrainerMixin,
@@ -58,6 +58,13 @@ class Olmo2Arguments(ScriptArguments):
     vocab_size: int = dataclasses.field(default=4096, metadata={"help": "offline: tokenizer vocabulary."})
     hidden_size: int = dataclasses.field(default=128, metadata={"help": "offline: model width."})
     num_layers: int = dataclasses.field(default=2, metadata={"help": "offline: decoder layers."})
+    offline_text: str = dataclasses.field(
+        default="pydoc",
+        metadata={
+            "help": "offline: 'pydoc' (Python's documentation topics, 1,900 paragraphs) or 'stdlib' (those and "
+            "the standard library's docstrings, 4.6x the text: for runs of more than a few epochs' worth of steps)."
+        },
+    )
 
 
 COMMON = dict(eval_strategy="no")
@@ -78,7 +85,10 @@ PRESETS = {
 def load_texts(args: Olmo2Arguments, seed: int):
     """(train, validation) datasets with one "text" column."""
     if args.offline:
-        return split(Dataset.from_dict({"text": english_paragraphs()}), 0.1, seed)
+        texts = {"pydoc": english_paragraphs, "stdlib": lambda: english_paragraphs() + stdlib_docstrings()}
+        if args.offline_text not in texts:
+            raise ValueError(f"--offline_text={args.offline_text!r} is invalid; choose 'pydoc' or 'stdlib'.")
+        return split(Dataset.from_dict({"text": texts[args.offline_text]()}), 0.1, seed)
     raw = load_dataset(args.dataset_name, args.dataset_config_name)
     if "validation" not in raw:
         raw = split(raw["train"], args.eval_fraction, seed)

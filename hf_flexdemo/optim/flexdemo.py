@@ -116,6 +116,7 @@ class FlexDeMo(torch.optim.Optimizer):
         value_bits: int = 0,
         pack_indices: bool = False,
         rounding: str = "nearest",
+        shared_indices: bool = False,
         fault_tolerance: str = "off",
         min_replicas: int = 1,
         ft_timeout: float = 30.0,
@@ -145,6 +146,7 @@ class FlexDeMo(torch.optim.Optimizer):
             value_bits=value_bits,
             pack_indices=pack_indices,
             rounding=rounding,
+            shared_indices=shared_indices,
             fault_tolerance=fault_tolerance,
             min_replicas=min_replicas,
             ft_timeout=ft_timeout,
@@ -311,6 +313,7 @@ class FlexDeMo(torch.optim.Optimizer):
             step=step,
             replicate=self.scheme.is_replication_step(step, forced=sync_only),
             replicas=topology.size,
+            rank=topology.rank,
             generator=torch.Generator().manual_seed(self.config.seed * 1_000_003 + step),
         )
         if self.config.rounding == "stochastic":  # each replica its own draws: rounding errors independent

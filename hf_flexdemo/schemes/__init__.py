@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..config import FlexDeMoConfig
 from .base import Collective, ParamSlot, ReplicationScheme, StepContext
 from .demo import DeMoScheme
+from .demo_shared import SharedIndexDeMoScheme
 from .dense import FullScheme, NoneScheme
 from .diloco import DiLoCoScheme
 from .sparseloco import SparseLoCoScheme
@@ -17,6 +18,8 @@ SCHEME_CLASSES: dict[str, type[ReplicationScheme]] = {
 
 
 def build_scheme(config: FlexDeMoConfig) -> ReplicationScheme:
+    if config.shared_indices:  # demo only (checked by the config)
+        return SharedIndexDeMoScheme(config)
     return SCHEME_CLASSES[config.scheme](config)
 
 
@@ -30,6 +33,7 @@ __all__ = [
     "ParamSlot",
     "RandomScheme",
     "ReplicationScheme",
+    "SharedIndexDeMoScheme",
     "SparseLoCoScheme",
     "StepContext",
     "StridingScheme",

@@ -39,6 +39,8 @@ class StepContext:
     replicate: bool
     """Whether this step exchanges anything across replicas."""
     replicas: int
+    rank: int = 0
+    """This replica's place among the ``replicas`` (0 to replicas - 1)."""
     generator: torch.Generator | None = None
     """Shared by every replica (the same draws everywhere: random's positions)."""
     noise: torch.Generator | None = None
@@ -57,8 +59,8 @@ class ParamSlot:
     """Position of the parameter in the optimizer (the same on every replica)."""
     carried: Any = None
     """What ``local_step`` hands to ``apply``, one value per scheme (None: nothing was sent):
-    demo the ``ChunkPlan`` of the coefficients sent; random/striding the flat positions sent;
-    full and diloco ``True``."""
+    demo the ``ChunkPlan`` of the coefficients sent (with ``shared_indices``, and the index set);
+    random/striding the flat positions sent; full and diloco ``True``."""
 
 
 class ReplicationScheme(ABC):

@@ -38,6 +38,7 @@ VARIANTS = {  # wire formats of the top-k schemes, run like the schemes
     "demo_4bit": dict(scheme="demo", value_bits=4),
     "demo_2bit_stochastic": dict(scheme="demo", value_bits=2, rounding="stochastic"),
     "sparseloco_2bit_packed": dict(scheme="sparseloco", value_bits=2, pack_indices=True),
+    "demo_shared": dict(scheme="demo", shared_indices=True),
 }
 SMALL = dict(topk=4, chunk=8, rate=0.25, inner_steps=5)
 
@@ -165,9 +166,10 @@ def spatial_momentum(opt, p, hp) -> torch.Tensor:
 def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
     """DCP save/load restores each replica's own state; a resumed run continues the same curve."""
     out = {}
-    for name in ("demo", "random", "diloco", "sparseloco", "demo_overlap"):
-        scheme = name.removesuffix("_overlap")
-        hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4, "overlap": name.endswith("_overlap")}
+    for name in ("demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_shared"):
+        scheme, _, variant = name.partition("_")
+        hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4}
+        hp.update(overlap=variant == "overlap", shared_indices=variant == "shared")
         model = build(mesh)
         opt = FlexDeMo(model.parameters(), mesh=mesh, **hp)
         train(model, opt, coords, 6)
@@ -180,6 +182,7 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
         params = list(model.parameters())
         saved = [StateStore.local(opt.state[p][key], local_tensor(p)).clone() for p in params]
         saved_total = opt.total_stats.bytes_sent
+        index_sets = [local_tensor(opt.state[p].get("shared_index_mask", torch.zeros(0))).clone() for p in params]
         state_prints = replica_fingerprints(saved, opt.topology)
         train(model, opt, coords, 4, first_step=6)
         uninterrupted = [local_tensor(p).detach().clone() for p in params]
@@ -193,12 +196,14 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
         params2 = list(model2.parameters())
         loaded = [StateStore.local(opt2.state[p][key], local_tensor(p)).clone() for p in params2]
         restored_total = opt2.total_stats.bytes_sent
+        index_sets2 = [local_tensor(opt2.state[p].get("shared_index_mask", torch.zeros(0))).clone() for p in params2]
         train(model2, opt2, coords, 4, first_step=6)
         out[name] = {
             "state_differs_across_replicas": len(set(state_prints)) > 1,
             "state_restored_exactly": all(torch.equal(a, b) for a, b in zip(saved, loaded)),
             "state_dtype_kept": all(b.dtype == momentum_dtype(p) for b, p in zip(loaded, params2)),
             "counters_restored": restored_total == saved_total,
+            "index_sets_restored": all(torch.equal(a, b) for a, b in zip(index_sets, index_sets2)),
             "step_restored": int(opt2.state[params2[0]]["step"]) == 10,
             "resume_matches": all(torch.equal(local_tensor(p), q) for p, q in zip(params2, uninterrupted)),
         }

@@ -1,0 +1,114 @@
+"""DeMo over an index set the replicas share: an all-reduce whose bytes per node stay flat in R.
+
+DeMo's all-gather sends each node's top-k to every other node, ``(R - 1) * P`` bytes per
+node and step. Here every replica sends its coefficients at the *same* positions, so the
+values can be summed in a ring all-reduce: about ``2 * P`` per node, whatever ``R``.
+
+Per replication step and parameter (``shared_indices=True``)::
+
+    I     = this step's index set         k positions per tile, the same on every replica
+    q     = Q[I]                          this replica's coefficients there
+    Q[I]  = 0                             error feedback: what was sent leaves the momentum
+    J     = top-k of |Q| per tile         on the leader only: replica (replication % R)
+    mean  = all-reduce(q, J or zeros)     one collective; J travels summed with zeros
+    p    -= lr * sign(IDCT(mean at I))
+    I     = J                             the next step's set
+
+The leader picks the next step's set from its own momentum after error feedback, so
+every replica's large coefficients are picked at least once every ``R`` steps and wait in
+the momentum until then (nothing is lost, some of it is late). Values and indices travel
+as float32 numbers (float64 for float64 momentum): a sum of one index and zeros is exact
+there, and an all-reduce cannot sum low-bit codes with per-tile scales, so ``value_bits``,
+``pack_indices`` and 16-bit ``value_dtype`` do not apply. The first step uses each tile's
+first ``k`` positions (its lowest frequencies).
+
+The index set is shared state, kept as a 0/1 mask laid out like the parameter (one byte per
+entry): checkpointed with the model's layout, copied by a healing node.
+One replica: it is its own leader every step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..compression import ChunkPlan, decode_replicas, flat_positions, from_coefficients, select_topk, tiles
+from .base import Collective, ParamSlot, StepContext
+from .demo import DeMoScheme
+
+INDEX_SET = "shared_index_mask"
+"""Laid out like the parameter's coefficients: 1 at the ``k`` positions per tile every replica sends next."""
+
+
+class SharedIndexDeMoScheme(DeMoScheme):
+    collective = Collective.ALL_REDUCE
+    shared_keys = (INDEX_SET,)
+
+    def init_state(self, slot: ParamSlot) -> None:
+        super().init_state(slot)
+        if INDEX_SET not in slot.state.raw:
+            plan = self.plan(slot)
+            self.mask(slot, plan)
+
+    def check_state(self, slot: ParamSlot) -> None:
+        super().check_state(slot)
+        plan = self.plan(slot)
+        if plan.n_tiles == 0:
+            return
+        per_tile = tiles(self.mask(slot, plan), plan).sum(1)
+        if not bool((per_tile == plan.k).all()):
+            raise RuntimeError(
+                f"FlexDeMo: the shared index set of a parameter of local shape {tuple(slot.param.shape)} holds "
+                f"{int(per_tile.max())} positions per tile, but topk={plan.k}. Resume with the topk and chunk the "
+                "checkpoint was saved with."
+            )
+
+    @staticmethod
+    def mask(slot: ParamSlot, plan: ChunkPlan) -> torch.Tensor:
+        """The index set as a ``(rows, cols)`` 0/1 mask; each tile's first ``k`` positions to begin with."""
+
+        def first_positions() -> torch.Tensor:
+            mask = torch.zeros(plan.rows * plan.cols, dtype=torch.uint8, device=slot.param.device)
+            mask[flat_positions(torch.arange(plan.k).repeat(plan.n_tiles, 1), plan)] = 1
+            return mask.view(slot.param.shape)
+
+        return slot.state.shared(INDEX_SET, first_positions).view(plan.rows, plan.cols)
+
+    def index_set(self, slot: ParamSlot, plan: ChunkPlan) -> torch.Tensor:
+        """``(n_tiles, k)`` tile-local positions, ascending: every replica reads them in the same order."""
+        return tiles(self.mask(slot, plan), plan).nonzero()[:, 1].view(plan.n_tiles, plan.k)
+
+    def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
+        q = self.accumulate(slot)
+        plan = self.plan(slot)
+        if not ctx.replicate or plan.n_tiles == 0:
+            return []
+        index_set = self.index_set(slot, plan)
+        where = flat_positions(index_set, plan)
+        flat = q.view(-1)
+        wire = torch.promote_types(q.dtype, torch.float32)
+        values = flat[where].to(wire)
+        flat.index_fill_(0, where, 0.0)  # all of it is sent: nothing of these coefficients stays
+        following = torch.zeros(plan.n_tiles * plan.k, dtype=wire, device=q.device)
+        if self.leader(ctx) == ctx.rank:
+            following.copy_(select_topk(q, plan)[0].reshape(-1))
+        slot.carried = (plan, index_set)
+        return [values, following]
+
+    def leader(self, ctx: StepContext) -> int:
+        """The replica that picks the next step's index set: each in turn."""
+        return (ctx.step // self.config.replicate_every) % ctx.replicas
+
+    def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> None:
+        if slot.carried is None:
+            return
+        plan, index_set = slot.carried
+        mean, following = received
+        dtype = self.momentum(slot).dtype
+        parts = [(index_set, mean.view(plan.n_tiles, plan.k))]
+        coefficients = decode_replicas(parts, plan, "mean", dtype)
+        # The leader's indices arrive divided by R (summed with zeros, then averaged): exact after rounding.
+        following = following.mul(ctx.replicas).round_().long().view(plan.n_tiles, plan.k)
+        mask = self.mask(slot, plan).view(-1)
+        mask.zero_()
+        mask[flat_positions(following, plan)] = 1
+        self.move(slot, from_coefficients(coefficients, plan))
