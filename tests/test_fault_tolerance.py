@@ -159,14 +159,19 @@ def test_a_node_dying_while_it_serves_recovery_does_not_take_the_healing_node_do
 
 
 @pytest.mark.faults
-def test_live_replicas_that_drift_apart_stop_with_replica_drift_error(lighthouse, tmp_path):
-    flags = [*TINY, "--max_steps", "40", "--logging_steps", "1", "--step_delay", "0.05", *ft_args()]
+def test_live_replicas_that_drift_apart_stop_with_replica_drift_error(tmp_path):
+    # Both nodes start together: a node that joins late heals to the live step, past the corruption.
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=2)
+    flags = [*TINY, "--max_steps", "40", "--logging_steps", "1", "--step_delay", "0.05", *ft_args(",min_replicas=2")]
     nodes = nodes_of(2, lighthouse, tmp_path, *flags, processes=1, extra={1: ("--corrupt_at", "8")})
-    for node in nodes:
-        node.start()
-    for node in nodes:
-        assert node.wait(180) != 0
-        assert "ReplicaDriftError" in node.log() and "replicas hold different parameters" in node.log()
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            assert node.wait(180) != 0
+            assert "ReplicaDriftError" in node.log() and "replicas hold different parameters" in node.log()
+    finally:
+        lighthouse.stop()
 
 
 @pytest.mark.multiprocess

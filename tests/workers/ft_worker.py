@@ -55,8 +55,9 @@ class Progress(TrainerCallback):
         self.path, self.delay, self.corrupt_at = path, delay, corrupt_at
 
     def on_optimizer_step(self, args, state, control, model=None, **kw):
-        if state.global_step + 1 == self.corrupt_at:  # one bit of drift, behind the quorum's back
+        if self.corrupt_at and state.global_step + 1 >= self.corrupt_at:  # one bit of drift, behind the quorum's back
             next(model.parameters()).data.view(-1)[0] += 1e-3
+            self.corrupt_at = 0
 
     def on_step_end(self, args, state, control, optimizer=None, **kw):
         replicas = unwrap_flexdemo(optimizer).managed
