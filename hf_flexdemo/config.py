@@ -112,7 +112,8 @@ class FlexDeMoConfig:
         default=False,
         metadata={
             "help": "demo: every replica sends its coefficients at one index set, picked by each replica in turn "
-            "one step ahead, in an all-reduce: bytes per node stay flat as nodes are added (float32 on the wire)."
+            "one step ahead, in an all-reduce: bytes per node stay flat as nodes are added (float32 on the wire, "
+            "float64 for float64 parameters)."
         },
     )
     fault_tolerance: str = field(
@@ -191,14 +192,15 @@ class FlexDeMoConfig:
                 "leave shared_indices=False."
             )
         # An all-reduce sums what it carries: per-tile codes and packed bits cannot be summed.
-        clashes = {"value_bits": self.value_bits != 0, "pack_indices": self.pack_indices}
-        clashes["value_dtype"] = self.value_dtype not in ("param", "fp32")
-        for name, clash in clashes.items():
-            if clash:
+        allowed = {"value_bits": (0, "0"), "pack_indices": (False, "False"), "value_dtype": ("param", "'param'")}
+        for name, (fine, write) in allowed.items():
+            value = getattr(self, name)
+            if value != fine and not (name == "value_dtype" and value == "fp32"):
                 raise ValueError(
-                    f"FlexDeMo: {name}={getattr(self, name)!r} cannot be combined with shared_indices=True: the "
-                    "shared index set is summed over replicas in an all-reduce, so values and indices travel as "
-                    f"float32 numbers. Drop {name}, or drop shared_indices for DeMo's all-gather."
+                    f"FlexDeMo: {name}={value!r} cannot be combined with shared_indices=True: the shared index set "
+                    "is summed over replicas in an all-reduce, so values and indices travel as float32 numbers "
+                    f"(float64 for float64 parameters). Set {name}={write}, or shared_indices=False for DeMo's "
+                    "all-gather."
                 )
 
     @property

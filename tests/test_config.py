@@ -38,7 +38,7 @@ BAD = [
     (dict(scheme="random", shared_indices=True), "shared_indices=True", "scheme='demo'"),
     (dict(shared_indices=True, value_bits=1), "value_bits=1", "all-reduce"),
     (dict(shared_indices=True, value_dtype="bf16"), "value_dtype='bf16'", "float32"),
-    (dict(shared_indices=True, pack_indices=True), "pack_indices=True", "Drop pack_indices"),
+    (dict(shared_indices=True, pack_indices=True), "pack_indices=True", "Set pack_indices=False"),
 ]
 
 

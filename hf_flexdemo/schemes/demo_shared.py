@@ -15,12 +15,12 @@ Per replication step and parameter (``shared_indices=True``)::
     I     = J                             the next step's set
 
 The leader picks the next step's set from its own momentum after error feedback, so
-every replica's large coefficients are picked at least once every ``R`` steps and wait in
-the momentum until then (nothing is lost, some of it is late). Values and indices travel
-as float32 numbers (float64 for float64 momentum): a sum of one index and zeros is exact
-there, and an all-reduce cannot sum low-bit codes with per-tile scales, so ``value_bits``,
-``pack_indices`` and 16-bit ``value_dtype`` do not apply. The first step uses each tile's
-first ``k`` positions (its lowest frequencies).
+every replica's large coefficients are picked at least once every ``R`` replications and
+wait in the momentum until then (decaying with it, as DeMo's unsent coefficients do). Values
+and indices travel as float32 numbers (float64 for float64 momentum): a sum of one index and
+zeros is exact there (tiles of up to 2**22 positions), and an all-reduce cannot sum low-bit
+codes with per-tile scales, so ``value_bits``, ``pack_indices`` and 16-bit ``value_dtype`` do
+not apply. The first step uses each tile's first ``k`` positions (its lowest frequencies).
 
 The index set is shared state, kept as a 0/1 mask laid out like the parameter (one byte per
 entry): checkpointed with the model's layout, copied by a healing node.
@@ -34,6 +34,9 @@ import torch
 from ..compression import ChunkPlan, decode_replicas, flat_positions, from_coefficients, select_topk, tiles
 from .base import Collective, ParamSlot, StepContext
 from .demo import DeMoScheme
+
+EXACT_POSITIONS = 2**22
+"""Tile positions that survive the all-reduce's division by R and the multiplication back exactly in float32."""
 
 INDEX_SET = "shared_index_mask"
 """Laid out like the parameter's coefficients: 1 at the ``k`` positions per tile every replica sends next."""
@@ -54,12 +57,18 @@ class SharedIndexDeMoScheme(DeMoScheme):
         plan = self.plan(slot)
         if plan.n_tiles == 0:
             return
+        if plan.tile_size > EXACT_POSITIONS:
+            raise ValueError(
+                f"FlexDeMo: chunk={slot.group['chunk']} gives tiles of {plan.tile_size} positions for a parameter of "
+                f"local shape {tuple(slot.param.shape)}; with shared_indices=True a position must stay exact through "
+                f"the float32 all-reduce, so tiles hold at most {EXACT_POSITIONS}. Use chunk <= 2048 (default 64)."
+            )
         per_tile = tiles(self.mask(slot, plan), plan).sum(1)
         if not bool((per_tile == plan.k).all()):
             raise RuntimeError(
                 f"FlexDeMo: the shared index set of a parameter of local shape {tuple(slot.param.shape)} holds "
-                f"{int(per_tile.max())} positions per tile, but topk={plan.k}. Resume with the topk and chunk the "
-                "checkpoint was saved with."
+                f"{int(per_tile.max())} positions per tile, but this run sends {plan.k} (topk={slot.group['topk']}, "
+                "at most a whole tile). Resume with the topk and chunk the checkpoint was saved with."
             )
 
     @staticmethod
@@ -68,14 +77,17 @@ class SharedIndexDeMoScheme(DeMoScheme):
 
         def first_positions() -> torch.Tensor:
             mask = torch.zeros(plan.rows * plan.cols, dtype=torch.uint8, device=slot.param.device)
-            mask[flat_positions(torch.arange(plan.k).repeat(plan.n_tiles, 1), plan)] = 1
+            first = torch.arange(plan.k, device=mask.device).repeat(plan.n_tiles, 1)
+            mask[flat_positions(first, plan)] = 1
             return mask.view(slot.param.shape)
 
         return slot.state.shared(INDEX_SET, first_positions).view(plan.rows, plan.cols)
 
     def index_set(self, slot: ParamSlot, plan: ChunkPlan) -> torch.Tensor:
         """``(n_tiles, k)`` tile-local positions, ascending: every replica reads them in the same order."""
-        return tiles(self.mask(slot, plan), plan).nonzero()[:, 1].view(plan.n_tiles, plan.k)
+        # A stable sort keeps the ones in position order, with a fixed shape (nonzero() would sync the host).
+        order = torch.sort(tiles(self.mask(slot, plan), plan), dim=1, descending=True, stable=True).indices
+        return order[:, : plan.k]
 
     def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
         q = self.accumulate(slot)
