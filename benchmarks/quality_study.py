@@ -13,6 +13,11 @@ the fastest of the configuration's runs) plus the bytes at the rate: `t = comput
     .venv/bin/python benchmarks/quality_study.py --model olmo2 --steps 250 --seeds 0 1 2 \\
         --out benchmarks/results/quality_olmo2
     .venv/bin/python benchmarks/quality_study.py --report benchmarks/results/quality_olmo2  # table + PNGs
+    .venv/bin/python benchmarks/quality_study.py --model t5 --steps 360 --configs adamw_hsdp demo \\
+        --rates adamw_hsdp=1e-3:2e-3:4e-3 demo=2e-3:4e-3 --out benchmarks/results/quality_t5  # + BLEU, chrF
+
+OLMo2 trains on ``--offline_text stdlib`` (4.6x the preset's text), so that 250 steps are about
+two epochs rather than twelve.
 
 Writes ``<out>/runs.json`` (every run, resumable: finished runs are not repeated), and with
 ``--report`` the markdown table and ``loss_vs_steps.png``, ``loss_vs_time_100mbit.png``,
