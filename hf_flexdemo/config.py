@@ -33,11 +33,8 @@ FAULT_TOLERANCE = ("off", "torchft")
 GROUP_KEYS = ("lr", "weight_decay", "decay", "topk", "chunk", "sign", "betas", "eps")
 """Hyperparameters that may differ between parameter groups; the rest hold for the whole optimizer."""
 
-OWN_KEYS = ("topk", "chunk", "decode", "value_dtype", "scheme", "replicate_every", "rate")
-OWN_KEYS += ("inner_steps", "outer_lr", "outer_momentum", "overlap", "pack_indices", "value_bits", "rounding")
-OWN_KEYS += ("shared_indices",)
-OWN_KEYS += ("fault_tolerance", "min_replicas", "ft_timeout", "quorum_timeout")
-"""``optim_args`` keys that only FlexDeMo reads: with another ``optim`` they would be ignored."""
+SHARED_KEYS = ("lr", "weight_decay", "betas", "eps")
+"""Hyperparameters other optimizers take as well (from ``TrainingArguments``)."""
 
 
 @dataclass
@@ -152,7 +149,8 @@ class FlexDeMoConfig:
         if self.value_bits and self.scheme not in TOPK_SCHEMES:
             raise ValueError(
                 f"FlexDeMo: value_bits={self.value_bits} applies to the top-k schemes {TOPK_SCHEMES}, not "
-                f"scheme={self.scheme!r}; leave it at 0 (for fewer bytes there, use value_dtype='bf16')."
+                f"scheme={self.scheme!r}; leave it at 0 (for fewer bytes there, use value_dtype='bf16'), or for "
+                "low-bit outer steps use scheme='sparseloco'."
             )
         _check_choice("rounding", self.rounding, ROUNDINGS)
         if self.rounding == "stochastic" and self.value_bits not in (2, 4, 8):
@@ -166,7 +164,7 @@ class FlexDeMoConfig:
         if self.overlap and self.scheme not in PER_STEP_SCHEMES:
             raise ValueError(
                 f"FlexDeMo: overlap=True applies to the per-step schemes {PER_STEP_SCHEMES}, not to "
-                f"scheme={self.scheme!r}."
+                f"scheme={self.scheme!r}; drop overlap=True."
             )
         if self.shared_indices:
             self._check_shared_indices()
@@ -223,6 +221,10 @@ class FlexDeMoConfig:
     def from_optim_args(cls, text: str | None, **base: Any) -> FlexDeMoConfig:
         """Parse ``"key=value,key=value"`` (the Trainer's ``optim_args``) on top of ``base``."""
         return cls(**{**base, **parse_optim_args(text)})
+
+
+OWN_KEYS = tuple(name for name in FlexDeMoConfig.field_names() if name not in SHARED_KEYS)
+"""``optim_args`` keys that only FlexDeMo reads: with another ``optim`` they would be ignored."""
 
 
 def parse_optim_args(text: str | None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_flexdemo import FlexDeMo, FlexDeMoConfig
-from hf_flexdemo.config import parse_optim_args
+from hf_flexdemo.config import OWN_KEYS, SHARED_KEYS, parse_optim_args
 
 pytestmark = [pytest.mark.unit, pytest.mark.lowest]
 
@@ -84,6 +84,13 @@ def test_bad_optim_args_are_refused(text, message):
     with pytest.raises(ValueError) as err:
         FlexDeMoConfig.from_optim_args(text)
     assert message in str(err.value)
+
+
+def test_every_flexdemo_only_setting_is_refused_with_another_optimizer():
+    # A key missing here would be dropped silently by --optim adamw_torch --optim_args ...
+    assert set(OWN_KEYS) | set(SHARED_KEYS) == set(FlexDeMoConfig.field_names())
+    assert {"decay", "sign", "seed", "topk", "shared_indices", "fault_tolerance"} <= set(OWN_KEYS)
+    assert not set(OWN_KEYS) & set(SHARED_KEYS)
 
 
 def test_parse_empty_optim_args():

@@ -208,3 +208,21 @@ def test_a_shard_size_of_one_under_fsdp_is_refused_with_the_layout_that_works():
         _refuse_fsdp_without_a_shard_dimension(object(), ParallelismConfig(dp_replicate_size=2, dp_shard_size=1))
     _refuse_fsdp_without_a_shard_dimension(object(), ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
     _refuse_fsdp_without_a_shard_dimension(None, ParallelismConfig(dp_replicate_size=2, dp_shard_size=1))
+
+
+def test_uneven_nodes_and_model_parallel_sizes_are_refused_with_what_to_write(monkeypatch):
+    from types import SimpleNamespace
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hf_flexdemo.integrations.accelerate_plugin import _ensure_layout, default_layout
+
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="WORLD_SIZE=6 is not a multiple of LOCAL_WORLD_SIZE=4.*same --num_processes"):
+        default_layout()
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert default_layout() == (2, 4)
+    accelerator = SimpleNamespace(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
+    with pytest.raises(ValueError, match="(?s)also sets tp/cp/sp.*Set the tp, cp and sp sizes to 1"):
+        _ensure_layout(accelerator)

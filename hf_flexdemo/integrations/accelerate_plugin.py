@@ -90,7 +90,10 @@ def default_layout() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if world % local:
-        raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
+        raise ValueError(
+            f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}: FlexDeMo needs the same number "
+            "of processes on every node. Launch each node with the same --num_processes / --nproc-per-node."
+        )
     return world // local, local
 
 
@@ -102,7 +105,7 @@ def _ensure_layout(accelerator: Accelerator) -> ParallelismConfig:
         if config.tp_enabled or config.cp_enabled or getattr(config, "sp_enabled", False):
             raise ValueError(
                 "FlexDeMo supports data parallelism only (dp_replicate x dp_shard); the parallelism_config "
-                f"also sets tp/cp/sp: {config}."
+                f"also sets tp/cp/sp: {config}. Set the tp, cp and sp sizes to 1 (or leave them out)."
             )
         return config
     nodes, per_node = default_layout()
