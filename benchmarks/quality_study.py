@@ -3,7 +3,7 @@
 Every run is a user's command: `accelerate launch --config_file accelerate_configs/cpu_2x2.yaml
 training_scripts/train_<model>.py --preset offline` with the configuration's `--optim` and
 `--optim_args`, evaluated every `steps / 10` steps. Each configuration's learning rate is
-chosen by a sweep on seed 0 (the rates in ``CONFIGS``; best final validation loss),
+chosen by a sweep on seed 0 (the rates in ``SWEEPS``; best final validation loss),
 then every seed runs at that rate. Bytes per step are node 0's (`flexdemo/bytes_sent_per_step`);
 AdamW-HSDP's are the dense ring all-reduce of the same gradients (`flexdemo/dense_bytes`).
 
@@ -13,8 +13,8 @@ the fastest of the configuration's runs) plus the bytes at the rate: `t = comput
     .venv/bin/python benchmarks/quality_study.py --model olmo2 --steps 250 --seeds 0 1 2 \\
         --out benchmarks/results/quality_olmo2
     .venv/bin/python benchmarks/quality_study.py --report benchmarks/results/quality_olmo2  # table + PNGs
-    .venv/bin/python benchmarks/quality_study.py --model t5 --steps 360 --configs adamw_hsdp demo \\
-        --rates adamw_hsdp=1e-3:2e-3:4e-3 demo=2e-3:4e-3 --out benchmarks/results/quality_t5  # + BLEU, chrF
+    .venv/bin/python benchmarks/quality_study.py --model t5 --steps 360 --seeds 0 1 2 \\
+        --out benchmarks/results/quality_t5  # + BLEU, chrF
 
 OLMo2 trains on ``--offline_text stdlib`` (4.6x the preset's text), so that 250 steps are about
 two epochs rather than twelve.
@@ -41,31 +41,54 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "accelerate_configs" / "cpu_2x2.yaml"
 RATES = {"100mbit": 100e6, "1gbit": 1e9}
 
-# name: (--optim, --optim_args, the learning rates swept on seed 0)
-# The rates come from the 150-step pilot (BENCHMARKS.md): each configuration's best rate there
-# and twice it where the best sat at the top of the pilot's x0.5/1/2 sweep (DiLoCo's was inside
-# it, so 1.5x). Rates below the pilot's best lost in the pilot for every configuration.
+# name: (--optim, --optim_args)
 CONFIGS = {
-    "adamw_hsdp": ("adamw_torch", "", (2e-3, 4e-3)),
-    "demo": ("flexdemo", "", (4e-3, 8e-3)),
-    "demo_bf16": ("flexdemo", "value_dtype=bf16", (4e-3, 8e-3)),
-    "demo_sign": ("flexdemo", "value_bits=1,pack_indices=true", (4e-3, 8e-3)),
-    "demo_4bit": ("flexdemo", "value_bits=4,pack_indices=true", (4e-3, 8e-3)),
-    "demo_2bit": ("flexdemo", "value_bits=2,pack_indices=true", (4e-3, 8e-3)),
-    "demo_top16_2bit": ("flexdemo", "topk=16,value_bits=2,pack_indices=true", (4e-3, 8e-3)),
-    "demo_aggressive": ("flexdemo", "topk=4,chunk=64,value_bits=1,pack_indices=true", (4e-3, 8e-3)),
-    "demo_shared": ("flexdemo", "shared_indices=true", (4e-3, 8e-3)),
+    "adamw_hsdp": ("adamw_torch", ""),
+    "demo": ("flexdemo", ""),
+    "demo_bf16": ("flexdemo", "value_dtype=bf16"),
+    "demo_sign": ("flexdemo", "value_bits=1,pack_indices=true"),
+    "demo_4bit": ("flexdemo", "value_bits=4,pack_indices=true"),
+    "demo_2bit": ("flexdemo", "value_bits=2,pack_indices=true"),
+    "demo_top16_2bit": ("flexdemo", "topk=16,value_bits=2,pack_indices=true"),
+    "demo_aggressive": ("flexdemo", "topk=4,chunk=64,value_bits=1,pack_indices=true"),
+    "demo_shared": ("flexdemo", "shared_indices=true"),
     # Every momentum entry, all-reduced: the sign-of-momentum update with no compression at all.
-    "full": ("flexdemo", "scheme=full", (4e-3, 8e-3)),
-    "random": ("flexdemo", "scheme=random", (4e-3, 8e-3)),
-    "striding": ("flexdemo", "scheme=striding", (4e-3, 8e-3)),
-    "diloco": ("flexdemo", "scheme=diloco,inner_steps=20", (1e-3, 1.5e-3)),
-    "sparseloco": ("flexdemo", "scheme=sparseloco,inner_steps=20,topk=64,value_bits=2,pack_indices=true", (2e-3, 4e-3)),
+    "full": ("flexdemo", "scheme=full"),
+    "random": ("flexdemo", "scheme=random"),
+    "striding": ("flexdemo", "scheme=striding"),
+    "diloco": ("flexdemo", "scheme=diloco,inner_steps=20"),
+    "sparseloco": ("flexdemo", "scheme=sparseloco,inner_steps=20,topk=64,value_bits=2,pack_indices=true"),
+}
+
+# The learning rates swept on seed 0, per model. OLMo2's come from the 150-step pilot
+# (BENCHMARKS.md): each configuration's best rate there and twice it where the best sat at the
+# top of the pilot's x0.5/1/2 sweep (DiLoCo's was inside it, so 1.5x). T5's bracket AdamW-HSDP's
+# and `demo`'s best; the `demo` wire formats run at `demo`'s best (on OLMo2 they end within a
+# few tenths of a percent of each other at either rate), DiLoCo and SparseLoCo get their own.
+SIGN_UPDATE = (4e-3, 8e-3)
+SWEEPS = {
+    "olmo2": {
+        "adamw_hsdp": (2e-3, 4e-3),
+        **dict.fromkeys(("demo", "demo_bf16", "demo_sign", "demo_4bit", "demo_2bit"), SIGN_UPDATE),
+        **dict.fromkeys(("demo_top16_2bit", "demo_aggressive", "demo_shared", "full"), SIGN_UPDATE),
+        "random": (8e-3, 1.6e-2),
+        "striding": (8e-3, 1.6e-2),
+        "diloco": (1e-3, 1.5e-3),
+        "sparseloco": (2e-3, 4e-3),
+    },
+    "t5": {
+        "adamw_hsdp": (1e-3, 2e-3, 4e-3, 8e-3),
+        "demo": (2e-3, 4e-3, 8e-3),
+        **dict.fromkeys(("demo_bf16", "demo_sign", "demo_4bit", "demo_2bit", "demo_top16_2bit"), (4e-3,)),
+        **dict.fromkeys(("demo_aggressive", "demo_shared", "full", "random", "striding"), (4e-3,)),
+        "diloco": (1e-3, 2e-3),
+        "sparseloco": (2e-3, 4e-3),
+    },
 }
 
 
 def run(model: str, name: str, lr: float, seed: int, steps: int, work: Path, batch: int) -> dict:
-    optim, optim_args, _ = CONFIGS[name]
+    optim, optim_args = CONFIGS[name]
     out = work / f"{model}_{name}_lr{lr:g}_s{seed}"
     eval_every = max(steps // 10, 1)
     args = [
@@ -135,7 +158,7 @@ def study(args) -> None:
     runs = Runs(args.out / "runs.json")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
-            rates = args.rates.get(name, CONFIGS[name][2])
+            rates = args.rates.get(name, SWEEPS[args.model][name])
             swept = [runs.get(args.model, name, lr, 0, args.steps, Path(tmp), args.batch) for lr in rates]
             best = min(swept, key=lambda r: r["final_eval_loss"] if math.isfinite(r["final_eval_loss"]) else math.inf)
             for seed in args.seeds:
@@ -153,6 +176,7 @@ def summarize(items: list[dict]) -> dict[str, dict]:
         losses = [i["final_eval_loss"] for i in chosen]
         row = {
             "lr": lr,
+            "swept": sorted({i["lr"] for i in seed0}),
             "seeds": len(chosen),
             "loss_mean": statistics.mean(losses),
             "loss_spread": (max(losses) - min(losses)) / 2,
@@ -201,14 +225,16 @@ def report(out: Path) -> None:
         scored = all("bleu" in row for row in rows.values())
         extra = " BLEU | chrF |" if scored else ""
         lines += [
-            f"| {model} | lr | seeds | final val. loss (mean +- half-range) | vs AdamW-HSDP |{extra} "
+            f"| {model} | lr (of those swept) | seeds | final val. loss (mean +- half-range) | vs AdamW-HSDP |{extra} "
             "bytes/step (node 0) | x fewer than dense | compute/step (s) | modelled s/step at 100 Mbit/s, 1 Gbit/s |",
             "| --- " * (9 + 2 * scored) + "|",
         ]  # fmt: skip
         for name, row in rows.items():
+            swept = ", ".join(f"{lr:g}" for lr in row["swept"])
             scores = "".join(f" {row[s][0]:.2f} +- {row[s][1]:.2f} |" for s in ("bleu", "chrf")) if scored else ""
             lines.append(
-                f"| {name} | {row['lr']:g} | {row['seeds']} | {row['loss_mean']:.4f} +- {row['loss_spread']:.4f} "
+                f"| {name} | {row['lr']:g} ({swept}) | {row['seeds']} "
+                f"| {row['loss_mean']:.4f} +- {row['loss_spread']:.4f} "
                 f"| {row.get('vs_adamw', float('nan')):+.1%} |{scores} {row.get('bytes_per_step', float('nan')):,.0f} "
                 f"| {row.get('ratio_to_dense', float('nan')):.0f} | {row['step_s']:.3f} "
                 f"| {modelled_step(row, '100mbit'):.3f}, {modelled_step(row, '1gbit'):.3f} |"
@@ -251,7 +277,7 @@ def main() -> None:
         nargs="+",
         default=[],
         metavar="CONFIG=LR[:LR...]",
-        help="replace a configuration's swept rates (e.g. demo=2e-3 runs the seeds at 2e-3)",
+        help="replace a configuration's swept rates (SWEEPS; e.g. demo=2e-3 runs the seeds at 2e-3)",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality")
     parser.add_argument("--report", type=Path, help="only write the table and plots of this study directory")

@@ -1,0 +1,50 @@
+"""The quality study's bookkeeping: which runs a configuration's row holds, and its ratios."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from support.launch import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+from quality_study import CONFIGS, SWEEPS, modelled_step, summarize  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def run(config, lr, seed, loss, step_s=0.5, sent=None, dense=4000):
+    item = {"model": "t5", "config": config, "lr": lr, "seed": seed, "final_eval_loss": loss, "step_s": step_s}
+    if sent is not None:
+        item |= {"bytes_per_step": sent, "dense_bytes_per_step": dense}
+    return item
+
+
+def test_a_row_holds_the_seeds_at_the_rate_that_won_on_seed_0():
+    items = [
+        run("adamw_hsdp", 1e-3, 0, 4.0),
+        run("adamw_hsdp", 2e-3, 0, 3.0),
+        run("adamw_hsdp", 2e-3, 1, 3.2, step_s=0.4),
+        run("demo", 4e-3, 0, 3.5, sent=40),
+        run("demo", 8e-3, 0, 3.4, sent=40),
+        run("demo", 8e-3, 1, 3.2, sent=40),
+        run("demo", 4e-3, 1, 1.0, sent=40),  # a seed at the losing rate: not part of the row
+    ]
+    table = summarize(items)
+    adamw, demo = table["t5", "adamw_hsdp"], table["t5", "demo"]
+    assert (adamw["lr"], adamw["swept"], adamw["seeds"]) == (2e-3, [1e-3, 2e-3], 2)
+    assert adamw["loss_mean"] == pytest.approx(3.1) and adamw["loss_spread"] == pytest.approx(0.1)
+    assert adamw["step_s"] == 0.4  # the least disturbed run
+    assert adamw["bytes_per_step"] == 4000  # AdamW-HSDP sends the dense all-reduce
+    assert (demo["lr"], demo["seeds"]) == (8e-3, 2)
+    assert demo["loss_mean"] == pytest.approx(3.3)
+    assert demo["vs_adamw"] == pytest.approx(3.3 / 3.1 - 1)
+    assert demo["ratio_to_dense"] == pytest.approx(100)
+    assert modelled_step(demo, "100mbit") == pytest.approx(0.5 + 8 * 40 / 100e6)
+
+
+def test_every_configuration_has_a_sweep_on_both_presets():
+    for model in ("olmo2", "t5"):
+        assert set(SWEEPS[model]) == set(CONFIGS), model
+        assert all(rates and rates == tuple(sorted(rates)) for rates in SWEEPS[model].values())
