@@ -68,6 +68,8 @@ CONFIGS = {
 # and `demo`'s best; the `demo` wire formats run at `demo`'s best (on OLMo2 they end within a
 # few tenths of a percent of each other at either rate), DiLoCo and SparseLoCo get their own.
 SIGN_UPDATE = (4e-3, 8e-3)
+AT_DEMOS_T5_RATE = ("demo_bf16", "demo_sign", "demo_4bit", "demo_2bit", "demo_top16_2bit", "demo_top64_2bit")
+AT_DEMOS_T5_RATE += ("demo_aggressive", "demo_shared", "full", "random", "striding")
 SWEEPS = {
     "olmo2": {
         "adamw_hsdp": (2e-3, 4e-3),
@@ -81,10 +83,7 @@ SWEEPS = {
     "t5": {
         "adamw_hsdp": (1e-3, 2e-3, 4e-3, 8e-3),
         "demo": (2e-3, 4e-3, 8e-3),
-        **dict.fromkeys(
-            ("demo_bf16", "demo_sign", "demo_4bit", "demo_2bit", "demo_top16_2bit", "demo_top64_2bit"), (4e-3,)
-        ),
-        **dict.fromkeys(("demo_aggressive", "demo_shared", "full", "random", "striding"), (4e-3,)),
+        **dict.fromkeys(AT_DEMOS_T5_RATE, (4e-3,)),
         "diloco": (1e-3, 2e-3),
         "sparseloco": (2e-3, 4e-3),
     },
