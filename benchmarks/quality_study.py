@@ -59,6 +59,18 @@ CONFIGS = {
     "random": ("flexdemo", "scheme=random"),
     "striding": ("flexdemo", "scheme=striding"),
     "diloco": ("flexdemo", "scheme=diloco,inner_steps=20"),
+    # The update rules (hf_flexdemo.updates) on DeMo's wire and without compression.
+    **{
+        f"{base}_{rule}": ("flexdemo", ",".join(filter(None, (args, f"update={full}"))))
+        for base, args in (
+            ("demo", ""),
+            ("full", "scheme=full"),
+            ("demo_2bit", "value_bits=2,pack_indices=true"),
+            ("demo_top64_2bit", "topk=64,value_bits=2,pack_indices=true"),
+            ("demo_aggressive", "topk=4,chunk=64,value_bits=1,pack_indices=true"),
+        )
+        for rule, full in (("adam", "adam"), ("ortho", "orthogonal"))
+    },
     "sparseloco": ("flexdemo", "scheme=sparseloco,inner_steps=20,topk=64,value_bits=2,pack_indices=true"),
 }
 
@@ -70,9 +82,13 @@ CONFIGS = {
 SIGN_UPDATE = (4e-3, 8e-3)
 AT_DEMOS_T5_RATE = ("demo_bf16", "demo_sign", "demo_4bit", "demo_2bit", "demo_top16_2bit", "demo_top64_2bit")
 AT_DEMOS_T5_RATE += ("demo_aggressive", "demo_shared", "full", "random", "striding")
+UPDATE_RULE_CONFIGS = tuple(name for name in CONFIGS if name.endswith(("_adam", "_ortho")))
+UPDATE_RULE_RATES = (4e-3, 8e-3, 1.6e-2)
+"""Both rules take steps of about a sign step's size per entry: swept around sign's best."""
 SWEEPS = {
     "olmo2": {
-        "adamw_hsdp": (2e-3, 4e-3),
+        "adamw_hsdp": (2e-3, 4e-3, 8e-3),
+        **dict.fromkeys(UPDATE_RULE_CONFIGS, UPDATE_RULE_RATES),
         **dict.fromkeys(("demo", "demo_sign", "demo_2bit", "demo_top16_2bit", "demo_aggressive"), SIGN_UPDATE),
         "demo_top64_2bit": SIGN_UPDATE,  # not run on OLMo2
         # Run last: they took demo's best without a sweep.
@@ -82,6 +98,7 @@ SWEEPS = {
     },
     "t5": {
         "adamw_hsdp": (1e-3, 2e-3, 4e-3, 8e-3),
+        **dict.fromkeys(UPDATE_RULE_CONFIGS, UPDATE_RULE_RATES),
         "demo": (2e-3, 4e-3, 8e-3),
         **dict.fromkeys(AT_DEMOS_T5_RATE, (4e-3,)),
         "diloco": (1e-3, 2e-3),

@@ -7,6 +7,7 @@ The same names work as keyword arguments of :class:`hf_flexdemo.FlexDeMo` and as
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +29,12 @@ OUTER_STEP_SCHEMES = ("diloco", "sparseloco")
 TOPK_SCHEMES = ("demo", "sparseloco")
 """Schemes that send each tile's top-k entries: the ones ``value_bits`` and ``pack_indices`` apply to."""
 ROUNDINGS = ("nearest", "stochastic")
+UPDATE_RULES = ("sign", "adam", "orthogonal")
+"""How the decoded update becomes a parameter step (:mod:`hf_flexdemo.updates`)."""
+SUBSET_SCHEMES = ("random", "striding")
 FAULT_TOLERANCE = ("off", "torchft")
 
-GROUP_KEYS = ("lr", "weight_decay", "decay", "topk", "chunk", "sign", "betas", "eps")
+GROUP_KEYS = ("lr", "weight_decay", "decay", "topk", "chunk", "sign", "update", "betas", "eps")
 """Hyperparameters that may differ between parameter groups; the rest hold for the whole optimizer."""
 
 SHARED_KEYS = ("lr", "weight_decay", "betas", "eps")
@@ -52,7 +56,15 @@ class FlexDeMoConfig:
     decay: float = field(default=0.999, metadata={"help": "Momentum decay beta: m = beta * m + lr * grad."})
     topk: int = field(default=32, metadata={"help": "DCT coefficients sent per tile (demo)."})
     chunk: int = field(default=64, metadata={"help": "Largest tile side of the chunked DCT (demo)."})
-    sign: bool = field(default=True, metadata={"help": "Apply the sign of the decoded update."})
+    sign: bool = field(default=True, metadata={"help": "update='sign': apply the sign of the decoded update."})
+    update: str = field(
+        default="sign",
+        metadata={
+            "help": "How the decoded update becomes a step: 'sign' (DeMo), 'adam' (divided by a running RMS of "
+            "itself per entry, beta2 = betas[1], eps) or 'orthogonal' (Newton-Schulz per 2-D matrix, as Muon; "
+            "other tensors take 'sign'). Per-step schemes only."
+        },
+    )
     decode: str = field(
         default="selected",
         metadata={"help": "demo: average a coefficient over the replicas that sent it ('selected') or all ('mean')."},
@@ -80,9 +92,11 @@ class FlexDeMoConfig:
         metadata={"help": "diloco: momentum of the outer Nesterov SGD; sparseloco: decay of the error feedback."},
     )
     betas: tuple[float, float] = field(
-        default=(0.9, 0.999), metadata={"help": "diloco, sparseloco: inner AdamW betas."}
+        default=(0.9, 0.999), metadata={"help": "diloco, sparseloco: inner AdamW betas; update='adam': beta2."}
     )
-    eps: float = field(default=1e-8, metadata={"help": "diloco, sparseloco: inner AdamW epsilon."})
+    eps: float = field(
+        default=1e-8, metadata={"help": "diloco, sparseloco: inner AdamW epsilon; update='adam': its epsilon."}
+    )
     overlap: bool = field(
         default=False,
         metadata={"help": "Per-step schemes: apply each step's exchange one step late, hiding it behind compute."},
@@ -232,6 +246,11 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
     values: dict[str, Any] = {}
     if not text:
         return values
+    if ";" in text:
+        raise ValueError(
+            f"FlexDeMo optim_args={text!r}: settings are separated by commas, not semicolons; "
+            f"write {text.replace(';', ',')!r}."
+        )
     known = {f.name: f for f in dataclasses.fields(FlexDeMoConfig)}
     for item in text.replace(" ", "").split(","):
         if not item:
@@ -240,9 +259,19 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
         if not sep:
             raise ValueError(f"FlexDeMo optim_args: {item!r} is not of the form key=value.")
         if key not in known:
-            raise ValueError(f"FlexDeMo optim_args: unknown key {key!r}; known keys are {sorted(known)}.")
+            raise ValueError(_unknown_key_message(key, raw))
         values[key] = _parse_value(key, raw, known[key].default)
     return values
+
+
+def _unknown_key_message(key: str, raw: str) -> str:
+    """Lists FlexDeMo's own keys only: the shared ones are refused in optim_args (the Trainer has flags)."""
+    close = difflib.get_close_matches(key, FlexDeMoConfig.field_names(), n=1)
+    hint = f" (did you mean {close[0]!r}? write {close[0]}={raw})" if close else ""
+    return (
+        f"FlexDeMo optim_args: unknown key {key!r}{hint}. The keys are {sorted(OWN_KEYS)}; lr, weight_decay, betas "
+        "and eps come from --learning_rate, --weight_decay, --adam_beta1/2 and --adam_epsilon."
+    )
 
 
 def _parse_value(key: str, raw: str, default: Any) -> Any:
@@ -277,8 +306,8 @@ def _parse_float(raw: str) -> float:
 def validate_group(group: dict[str, Any], scheme: str) -> None:
     """Check the per-group hyperparameters; raises ValueError naming the setting, value and range.
 
-    ``betas`` and ``eps`` belong to the inner AdamW of DiLoCo and SparseLoCo: other schemes do not use them, so
-    the Trainer's ``--adam_beta2 1.0`` (say) is no error there.
+    ``betas`` and ``eps`` belong to the inner AdamW of DiLoCo and SparseLoCo and to ``update='adam'``: others
+    do not use them, so the Trainer's ``--adam_beta2 1.0`` (say) is no error there.
     """
     _check_float("lr", group["lr"], low=0.0)
     _check_float("weight_decay", group["weight_decay"], low=0.0)
@@ -287,7 +316,11 @@ def validate_group(group: dict[str, Any], scheme: str) -> None:
     _check_int("topk", group["topk"], low=1, high=group["chunk"] ** 2, why=" (at most chunk * chunk, a full tile)")
     if not isinstance(group["sign"], bool):
         raise ValueError(f"FlexDeMo: sign={group['sign']!r} is invalid; sign must be True or False.")
-    if scheme not in OUTER_STEP_SCHEMES:
+    update = group.get("update", "sign")
+    _check_choice("update", update, UPDATE_RULES)
+    if update != "sign":
+        _check_update_rule(update, group["sign"], scheme)
+    if scheme not in OUTER_STEP_SCHEMES and update != "adam":
         return
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -295,6 +328,25 @@ def validate_group(group: dict[str, Any], scheme: str) -> None:
     for i, beta in enumerate(betas):
         _check_float(f"betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
     _check_float("eps", group["eps"], low=0.0, low_open=True)
+
+
+def _check_update_rule(update: str, sign: bool, scheme: str) -> None:
+    if scheme in OUTER_STEP_SCHEMES:
+        raise ValueError(
+            f"FlexDeMo: update={update!r} applies to the per-step schemes {PER_STEP_SCHEMES}, not to "
+            f"scheme={scheme!r}, whose outer step is its own rule; leave update='sign'."
+        )
+    if not sign:
+        raise ValueError(
+            f"FlexDeMo: sign=False applies to update='sign' (it applies the decoded update as it is), not to "
+            f"update={update!r}; drop sign=False."
+        )
+    if scheme in SUBSET_SCHEMES:
+        raise ValueError(
+            f"FlexDeMo: update={update!r} needs every entry's update at every replication (orthogonal: whole "
+            f"matrices; adam: one bias-corrected second moment), but scheme={scheme!r} sends a scattered subset; use "
+            f"scheme='demo' or 'full' with update={update!r}, or update='sign' with {scheme}."
+        )
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

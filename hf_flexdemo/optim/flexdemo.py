@@ -7,10 +7,12 @@ replication scheme picks travels. Per parameter and step (``demo`` scheme)::
     m   = decay * m + lr * grad                      local momentum, never all-reduced
     q   = top-k DCT coefficients of m (per tile)     the fast-moving components
     m  -= IDCT(q)                                    error feedback
-    p  -= lr * sign(IDCT(mean over replicas of q))   one packed all-gather per step
+    u   = IDCT(mean over replicas of q)              one packed all-gather per step
+    p  -= lr * sign(u)                               the group's update rule
 
-The replication step is pluggable (:mod:`hf_flexdemo.schemes`): ``demo``, ``random``,
-``striding``, ``diloco``, ``full`` and ``none``.
+The replication step is pluggable (:mod:`hf_flexdemo.schemes`: ``demo``, ``random``,
+``striding``, ``diloco``, ``sparseloco``, ``full`` and ``none``), and so is the update rule
+(:mod:`hf_flexdemo.updates`: ``sign``, ``adam``, ``orthogonal``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import FlexDeMoConfig, validate_group
 from ..dtensor_utils import local_tensor
-from ..schemes import Collective, ParamSlot, StepContext, build_scheme
+from ..schemes import Collective, Decoded, ParamSlot, StepContext, build_scheme
 from ..state_store import StateStore, StateView
 from ..topology import (
     ReplicaTopology,
@@ -36,6 +38,7 @@ from ..topology import (
     parameter_fingerprint,
     replica_fingerprints,
 )
+from ..updates import UpdateRule, build_rules
 from ..wire import (
     CommStats,
     Exchange,
@@ -75,13 +78,15 @@ class FlexDeMo(torch.optim.Optimizer):
 
     Args:
         params: parameters or parameter groups. Groups may set ``lr``, ``weight_decay``,
-            ``decay``, ``topk``, ``chunk``, ``sign``, ``betas`` and ``eps``.
+            ``decay``, ``topk``, ``chunk``, ``sign``, ``update``, ``betas`` and ``eps``.
         mesh: a :class:`~torch.distributed.device_mesh.DeviceMesh` with a replicate
             dimension (the nodes). Parameters are FSDP2 DTensors on its other dimensions,
             or plain tensors when each replica is a single process. Leave it out for one
             process; with Accelerate or the Trainer, ``hf_flexdemo`` attaches it.
         replicate_dim: the mesh dimension that spans the nodes (default: ``dp_replicate``
             or ``replicate``, whichever the mesh has).
+        elementwise: parameters that take ``update='sign'`` whatever their group says: the
+            embeddings and output heads under ``update='orthogonal'`` (the Trainer passes them).
 
     The other arguments are described in :class:`hf_flexdemo.FlexDeMoConfig`.
 
@@ -101,6 +106,7 @@ class FlexDeMo(torch.optim.Optimizer):
         chunk: int = 64,
         sign: bool = True,
         *,
+        update: str = "sign",
         decode: str = "selected",
         value_dtype: str = "param",
         scheme: str = "demo",
@@ -123,6 +129,7 @@ class FlexDeMo(torch.optim.Optimizer):
         quorum_timeout: float = 120.0,
         mesh: DeviceMesh | None = None,
         replicate_dim: str | None = None,
+        elementwise: Iterable[torch.Tensor] = (),
     ):
         self.config = FlexDeMoConfig(
             lr=lr,
@@ -131,6 +138,7 @@ class FlexDeMo(torch.optim.Optimizer):
             topk=topk,
             chunk=chunk,
             sign=sign,
+            update=update,
             decode=decode,
             value_dtype=value_dtype,
             scheme=scheme,
@@ -152,8 +160,9 @@ class FlexDeMo(torch.optim.Optimizer):
             ft_timeout=ft_timeout,
             quorum_timeout=quorum_timeout,
         )
-        super().__init__(params, self.config.group_defaults())
+        super().__init__(_split_elementwise(params, elementwise), self.config.group_defaults())
         self.scheme = build_scheme(self.config)
+        self.rules = build_rules(self.config)
         self._topology: ReplicaTopology | None = None
         self._store: StateStore | None = None
         self.last_step_stats = CommStats()
@@ -321,6 +330,7 @@ class FlexDeMo(torch.optim.Optimizer):
         if not sync_only:
             for slot in slots:
                 self.scheme.init_state(slot)
+                self._rule(slot).init_state(slot)
                 if self._verify_state:
                     self.scheme.check_state(slot)
             self._verify_state = False
@@ -345,9 +355,20 @@ class FlexDeMo(torch.optim.Optimizer):
         if job.undo is not None and not self._managed.commit():
             _restore(job.undo)  # the step did not happen, on this node or any other
             return
-        for slot, part in zip(job.slots, self._split(received, job)):
-            self.scheme.apply(slot, part, job.ctx)
+        decoded = [self.scheme.apply(slot, part, job.ctx) for slot, part in zip(job.slots, self._split(received, job))]
+        self._apply_rules([d for d in decoded if d is not None], job.ctx)
         self._count(job, stats)
+
+    def _rule(self, slot: ParamSlot) -> UpdateRule:
+        return self.rules[slot.group["update"]]
+
+    def _apply_rules(self, decoded: list[Decoded], ctx: StepContext) -> None:
+        """Each rule takes its parameters together (``orthogonal`` gathers a node's shards in one go)."""
+        by_rule: dict[str, list[Decoded]] = {}
+        for item in decoded:
+            by_rule.setdefault(item.slot.group["update"], []).append(item)
+        for name, items in by_rule.items():
+            self.rules[name].apply(items, ctx)
 
     def _snapshot(self, slots: list[ParamSlot], undo_step: bool) -> list:
         """Copies of what a step changes before its exchange, to undo it: the step count, the state the
@@ -532,7 +553,7 @@ class FlexDeMo(torch.optim.Optimizer):
     def replica_state(self) -> dict[str, Any]:
         """Copies of what must be equal on every replica: parameters, step counts, the scheme's shared state,
         and the groups' hyperparameters (the lr a scheduler has set)."""
-        keep = ("step", *self.scheme.shared_keys)
+        keep = ("step", *self.scheme.shared_keys, *(key for rule in self.rules.values() for key in rule.state_keys))
         return {
             "groups": [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups],
             "params": [local_tensor(p).detach().clone() for p in self._ordered_params()],
@@ -606,6 +627,22 @@ class FlexDeMo(torch.optim.Optimizer):
                 current = self.state[p].get(key)
                 if torch.is_tensor(value) and torch.is_tensor(current) and value.dtype != current.dtype:
                     self.state[p][key] = value.to(device=current.device, copy=True)
+
+
+def _split_elementwise(params, elementwise: Iterable[torch.Tensor]) -> list[dict[str, Any]]:
+    """Parameter groups with the ``elementwise`` parameters moved to groups of their own with ``update='sign'``."""
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    marked = {id(p) for p in elementwise}
+    if not marked:
+        return groups
+    split = []
+    for group in groups:
+        params = list(group["params"])
+        split.append({**group, "params": [p for p in params if id(p) not in marked]})
+        split.append({**group, "params": [p for p in params if id(p) in marked], "update": "sign"})
+    return [group for group in split if group["params"]]
 
 
 def _restore(saved: list) -> None:

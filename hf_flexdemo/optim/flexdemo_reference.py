@@ -5,7 +5,9 @@ code with the fast path (its DCT matrix, tiling and decoding are rebuilt here). 
 subset rules of Random and Striding are restated, since replicas must agree on them.
 
 Use it on the local shards: ``params[i]`` is the starting value of one tensor (the same on
-every replica) and ``step(grads)`` takes ``grads[replica][i]``.
+every replica) and ``step(grads)`` takes ``grads[replica][i]``. ``update='orthogonal'`` needs
+whole matrices: ``gather_rows(local_update)`` returns the whole matrix and where this shard's
+rows start in it (by default the shard is the whole matrix).
 """
 
 from __future__ import annotations
@@ -45,10 +47,24 @@ def _tiles(rows: int, cols: int, chunk: int):
     return [(r, c, a, b) for r in range(0, rows, a) for c in range(0, cols, b)]
 
 
+def _newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Muon's quintic iteration, in float32: X <- a X + (b X X^T + c (X X^T)^2) X."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.to(torch.float32)
+    x = x / (x.norm() + 1e-7)
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    for _ in range(steps):
+        xxt = x @ x.T
+        x = a * x + (b * xxt + c * xxt @ xxt) @ x
+    return x.T if transposed else x
+
+
 class FlexDeMoReference:
     """Every replica of a list of tensors, stepped with FlexDeMo's rule (no weight decay groups)."""
 
-    def __init__(self, params: list[torch.Tensor], replicas: int, **hp):
+    def __init__(self, params: list[torch.Tensor], replicas: int, gather_rows=None, **hp):
         self.hp = {
             "lr": 1e-3,
             "weight_decay": 0.0,
@@ -56,6 +72,7 @@ class FlexDeMoReference:
             "topk": 32,
             "chunk": 64,
             "sign": True,
+            "update": "sign",
             "decode": "selected",
             "scheme": "demo",
             "replicate_every": 1,
@@ -69,11 +86,13 @@ class FlexDeMoReference:
             **hp,
         }
         self.replicas = replicas
+        self.gather_rows = gather_rows or (lambda local: (local, 0))
         self.params = [[p.detach().clone() for p in params] for _ in range(replicas)]
         self.momenta = [[torch.zeros_like(p) for p in params] for _ in range(replicas)]
         self.anchor = [p.detach().clone() for p in params]
         self.outer_v = [torch.zeros_like(p) for p in params]
         self.adam = [[(torch.zeros_like(p), torch.zeros_like(p)) for p in params] for _ in range(replicas)]
+        self.second = [[torch.zeros_like(p) for p in params] for _ in range(replicas)]  # update='adam'
         self.t = 0
 
     def step(self, grads: list[list[torch.Tensor]]) -> None:
@@ -93,20 +112,38 @@ class FlexDeMoReference:
         if hp["scheme"] == "none":
             for r in range(R):
                 for i in range(len(self.params[r])):
-                    self._move(self.params[r][i], self.momenta[r][i].clone())
+                    self._move(r, i, self.momenta[r][i].clone())
                     self.momenta[r][i].zero_()
             return
         for i in range(len(self.anchor)):
             rule[hp["scheme"]](i)
 
-    def _move(self, p: torch.Tensor, update: torch.Tensor) -> None:
-        p.sub_(update.sign() if self.hp["sign"] else update, alpha=self.hp["lr"])
+    def _move(self, r: int, i: int, update: torch.Tensor, where: torch.Tensor | None = None) -> None:
+        """Replica ``r``'s parameter ``i`` takes the decoded ``update`` (at flat positions ``where``)."""
+        hp, p = self.hp, self.params[r][i]
+        flat = p.reshape(-1)
+        at = torch.arange(flat.numel()) if where is None else where
+        u = update.reshape(-1)
+        if hp["update"] == "adam":
+            if hp["lr"] == 0:
+                return
+            g = u / hp["lr"]
+            v = self.second[r][i].reshape(-1)
+            beta2 = hp["betas"][1]
+            t = self.t // hp["replicate_every"]
+            for j in range(flat.numel()):
+                v[j] = beta2 * v[j] + (1 - beta2) * g[j] ** 2
+                flat[j] -= hp["lr"] * g[j] / ((v[j] / (1 - beta2**t)).sqrt() + hp["eps"])
+        elif hp["update"] == "orthogonal" and p.dim() == 2:
+            whole, start = self.gather_rows(update.reshape(p.shape))
+            ortho = _newton_schulz(whole) * math.sqrt(max(whole.shape))
+            p -= hp["lr"] * ortho[start : start + p.shape[0]].to(p.dtype)
+        else:
+            flat[at] -= hp["lr"] * (u.sign() if hp["sign"] else u)
 
     def _demo(self, i: int) -> None:
         hp, R = self.hp, self.replicas
         shape = self.anchor[i].shape
-        if self.anchor[i].numel() == 0:
-            return
         mats = [_as_matrix(self.momenta[r][i]) for r in range(R)]
         rows, cols = mats[0].shape
         total = torch.zeros(rows, cols, dtype=mats[0].dtype)
@@ -127,7 +164,7 @@ class FlexDeMoReference:
             mean = sums / counts.clamp(min=1) if hp["decode"] == "selected" else sums / R
             total[r0 : r0 + a, c0 : c0 + b] = left.T @ mean.reshape(a, b) @ right
         for r in range(R):
-            self._move(self.params[r][i], total.reshape(shape))
+            self._move(r, i, total.reshape(shape))
 
     def _positions(self, numel: int, generator: torch.Generator) -> torch.Tensor:
         block = max(1, round(1 / self.hp["rate"]))
@@ -149,14 +186,13 @@ class FlexDeMoReference:
         mean = sum(values) / self.replicas
         for r in range(self.replicas):
             self.momenta[r][i].reshape(-1)[where] -= values[r]
-            flat = self.params[r][i].reshape(-1)
-            flat[where] -= self.hp["lr"] * (mean.sign() if self.hp["sign"] else mean)
+            self._move(r, i, mean, where)
 
     def _full(self, i: int) -> None:
         mean = sum(self.momenta[r][i] for r in range(self.replicas)) / self.replicas
         for r in range(self.replicas):
             self.momenta[r][i].zero_()
-            self._move(self.params[r][i], mean)
+            self._move(r, i, mean.clone())
 
     def _diloco(self, grads: list[list[torch.Tensor]]) -> None:
         hp, R = self.hp, self.replicas

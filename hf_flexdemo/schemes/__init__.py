@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..config import FlexDeMoConfig
-from .base import Collective, ParamSlot, ReplicationScheme, StepContext
+from .base import Collective, Decoded, ParamSlot, ReplicationScheme, StepContext
 from .demo import DeMoScheme
 from .demo_shared import SharedIndexDeMoScheme
 from .dense import FullScheme, NoneScheme
@@ -27,6 +27,7 @@ __all__ = [
     "SCHEME_CLASSES",
     "Collective",
     "DeMoScheme",
+    "Decoded",
     "DiLoCoScheme",
     "FullScheme",
     "NoneScheme",

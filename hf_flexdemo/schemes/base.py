@@ -5,7 +5,9 @@ A step runs in three phases, so that every parameter's payload travels in one co
 1. ``local_step(slot, ctx)`` for every parameter: local maths; returns the tensors this
    parameter sends (or ``[]``);
 2. the optimizer packs all payloads into one collective of the scheme's ``collective`` kind;
-3. ``apply(slot, received, ctx)`` for every parameter: decode and update the parameter.
+3. ``apply(slot, received, ctx)`` for every parameter: decode what arrived into one update
+   (:class:`Decoded`), which the parameter group's update rule (:mod:`hf_flexdemo.updates`)
+   turns into a step; the outer-step schemes move the parameter themselves.
 """
 
 from __future__ import annotations
@@ -63,6 +65,17 @@ class ParamSlot:
     random/striding the flat positions sent; full and diloco ``True``."""
 
 
+@dataclass
+class Decoded:
+    """One parameter's decoded update after an exchange: identical on every replica."""
+
+    slot: ParamSlot
+    update: torch.Tensor
+    """The decoded momentum part (``lr`` is already in it); a temporary the rule may change in place."""
+    where: torch.Tensor | None = None
+    """Flat positions of the local parameter that ``update`` holds (random, striding); None: all of them."""
+
+
 class ReplicationScheme(ABC):
     """How replicas keep one model: what each sends, and how received data updates a parameter."""
 
@@ -109,8 +122,8 @@ class ReplicationScheme(ABC):
         """Local maths before the exchange; returns what this parameter sends."""
 
     @abstractmethod
-    def apply(self, slot: ParamSlot, received: Any, ctx: StepContext) -> None:
-        """Update the parameter from what the exchange returned."""
+    def apply(self, slot: ParamSlot, received: Any, ctx: StepContext) -> Decoded | None:
+        """The decoded update for the update rule, or None (nothing sent, or the scheme moved the parameter)."""
 
     def wire_dtype(self, slot: ParamSlot) -> torch.dtype:
         return self.config.wire_dtype or slot.param.dtype

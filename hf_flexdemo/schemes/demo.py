@@ -6,7 +6,7 @@ Per replication step and parameter::
     q     = top-k of Q per tile          the fast-moving components
     m    -= IDCT(q)                      error feedback: what was sent leaves the momentum
     Q_avg = decode(q from all replicas)  mean over the replicas that picked a coefficient
-    p    -= lr * sign(IDCT(Q_avg))
+    p    -= lr * sign(IDCT(Q_avg))      the group's update rule (hf_flexdemo.updates)
 
 The DCT is linear and orthonormal, so the momentum is kept as its coefficients ``Q``:
 ``Q = decay * Q + lr * DCT(grad)``, and error feedback is ``Q -= q``. That is the same
@@ -23,7 +23,7 @@ import torch
 
 from ..compression import ChunkPlan, decode_replicas, flat_positions, from_coefficients, select_topk, to_coefficients
 from ..config import FlexDeMoConfig
-from .base import Collective, ParamSlot, StepContext
+from .base import Collective, Decoded, ParamSlot, StepContext
 from .momentum import MomentumScheme
 from .sparse_wire import TopKWire
 
@@ -72,20 +72,28 @@ class DeMoScheme(MomentumScheme):
     def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
         q = self.accumulate(slot)
         plan = self.plan(slot)
-        if not ctx.replicate or plan.n_tiles == 0:
+        if not ctx.replicate:
+            return []
+        slot.carried = plan
+        if plan.n_tiles == 0:  # an empty shard sends nothing, but its (empty) update still reaches the rule
             return []
         indices, values = select_topk(q, plan)
         sent, decoded = self.wire.encode(indices, values, plan, self.wire_dtype(slot), ctx.noise)
         # Subtract what travels (as the receivers will decode it) so the rounding error stays in Q.
         q.view(-1).index_add_(0, flat_positions(indices, plan), decoded.reshape(-1).to(q.dtype), alpha=-1.0)
-        slot.carried = plan
         return sent
 
-    def apply(self, slot: ParamSlot, received: list[list[torch.Tensor]], ctx: StepContext) -> None:
+    def empty_update(self, slot: ParamSlot) -> Decoded:
+        """An empty shard's update: the rule still sees it, since orthogonal gathers a node's shards."""
+        return Decoded(slot, slot.param.new_zeros(slot.param.shape, dtype=self.momentum(slot).dtype))
+
+    def apply(self, slot: ParamSlot, received: list[list[torch.Tensor]], ctx: StepContext) -> Decoded | None:
         plan = slot.carried
         if plan is None:
-            return
+            return None
+        if plan.n_tiles == 0:
+            return self.empty_update(slot)
         dtype = self.momentum(slot).dtype
         parts = [self.wire.read(part, plan) for part in received]
         coefficients = decode_replicas(parts, plan, self.config.decode, dtype)
-        self.move(slot, from_coefficients(coefficients, plan))
+        return Decoded(slot, from_coefficients(coefficients, plan))

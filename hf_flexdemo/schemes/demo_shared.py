@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..compression import ChunkPlan, decode_replicas, flat_positions, from_coefficients, select_topk, tiles
-from .base import Collective, ParamSlot, StepContext
+from .base import Collective, Decoded, ParamSlot, StepContext
 from .demo import DeMoScheme
 
 EXACT_POSITIONS = 2**22
@@ -92,7 +92,10 @@ class SharedIndexDeMoScheme(DeMoScheme):
     def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
         q = self.accumulate(slot)
         plan = self.plan(slot)
-        if not ctx.replicate or plan.n_tiles == 0:
+        if not ctx.replicate:
+            return []
+        if plan.n_tiles == 0:
+            slot.carried = (plan, None)
             return []
         index_set = self.index_set(slot, plan)
         where = flat_positions(index_set, plan)
@@ -110,10 +113,12 @@ class SharedIndexDeMoScheme(DeMoScheme):
         """The replica that picks the next step's index set: each in turn."""
         return (ctx.step // self.config.replicate_every) % ctx.replicas
 
-    def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> None:
+    def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> Decoded | None:
         if slot.carried is None:
-            return
+            return None
         plan, index_set = slot.carried
+        if plan.n_tiles == 0:
+            return self.empty_update(slot)
         mean, following = received
         dtype = self.momentum(slot).dtype
         parts = [(index_set, mean.view(plan.n_tiles, plan.k))]
@@ -123,4 +128,4 @@ class SharedIndexDeMoScheme(DeMoScheme):
         mask = self.mask(slot, plan).view(-1)
         mask.zero_()
         mask[flat_positions(following, plan)] = 1
-        self.move(slot, from_coefficients(coefficients, plan))
+        return Decoded(slot, from_coefficients(coefficients, plan))

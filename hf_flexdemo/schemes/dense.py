@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Collective, ParamSlot, StepContext
+from .base import Collective, Decoded, ParamSlot, StepContext
 from .momentum import MomentumScheme
 
 
@@ -31,9 +31,8 @@ class FullScheme(MomentumScheme):
         slot.carried = True
         return [sent]
 
-    def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> None:
-        if slot.carried:
-            self.move(slot, received[0])
+    def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> Decoded | None:
+        return Decoded(slot, received[0]) if slot.carried else None
 
 
 class NoneScheme(FullScheme):

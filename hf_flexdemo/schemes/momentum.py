@@ -7,7 +7,8 @@ Every step, each replica folds its gradient into its own momentum::
 On a replication step the scheme picks a part ``q`` of ``m`` (DeMo: the top-k DCT
 coefficients; Random/Striding: a subset of entries; full: all of it), subtracts what it
 sends from ``m`` (error feedback: what is not sent stays for later), exchanges ``q``, and
-the parameter moves by ``lr * sign(decoded)`` (or ``lr * decoded`` with ``sign=False``).
+the parameter moves by the group's update rule applied to the decoded average
+(:mod:`hf_flexdemo.updates`; DeMo's ``lr * sign(decoded)`` by default).
 Between replication steps (``replicate_every > 1``) the gradient only accumulates in the
 momentum and the parameters do not move, so every replica still holds the same model.
 """
@@ -45,14 +46,3 @@ class MomentumScheme(ReplicationScheme):
         m = self.momentum(slot)
         m.mul_(slot.group["decay"]).add_(slot.grad.to(m.dtype), alpha=slot.group["lr"])
         return m
-
-    @staticmethod
-    def move(slot: ParamSlot, update: torch.Tensor, where: torch.Tensor | None = None) -> None:
-        """``p -= lr * sign(update)`` at the flat positions ``where`` (all when None); ``update`` is consumed."""
-        step = update.sign_() if slot.group["sign"] else update  # update is a temporary: sign in place
-        step = step.to(slot.param.dtype)
-        if where is None:
-            slot.param.sub_(step.view(slot.param.shape), alpha=slot.group["lr"])
-        else:
-            flat = slot.param.view(-1)
-            flat.index_add_(0, where, step, alpha=-slot.group["lr"])

@@ -22,7 +22,7 @@ from abc import abstractmethod
 
 import torch
 
-from .base import Collective, ParamSlot, StepContext
+from .base import Collective, Decoded, ParamSlot, StepContext
 from .momentum import MomentumScheme
 
 
@@ -48,10 +48,9 @@ class SubsetScheme(MomentumScheme):
         slot.carried = where
         return [values]
 
-    def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> None:
+    def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> Decoded | None:
         where = slot.carried
-        if where is not None:
-            self.move(slot, received[0], where=where)
+        return None if where is None else Decoded(slot, received[0], where=where)
 
 
 class RandomScheme(SubsetScheme):

@@ -39,6 +39,11 @@ VARIANTS = {  # wire formats of the top-k schemes, run like the schemes
     "demo_2bit_stochastic": dict(scheme="demo", value_bits=2, rounding="stochastic"),
     "sparseloco_2bit_packed": dict(scheme="sparseloco", value_bits=2, pack_indices=True),
     "demo_shared": dict(scheme="demo", shared_indices=True),
+    # Update rules (hf_flexdemo.updates): the same wire, another step.
+    "demo_adam": dict(scheme="demo", update="adam"),
+    "demo_ortho": dict(scheme="demo", update="orthogonal"),
+    "full_ortho": dict(scheme="full", update="orthogonal"),
+    "full_adam": dict(scheme="full", update="adam"),
 }
 SMALL = dict(topk=4, chunk=8, rate=0.25, inner_steps=5)
 
@@ -116,6 +121,10 @@ def check_oracle(mesh, coords) -> dict:
         "full": dict(scheme="full", sign=False),
         "none": dict(scheme="none", sign=False),
         "diloco": dict(scheme="diloco", inner_steps=3),
+        "demo_adam": dict(scheme="demo", update="adam"),
+        "full_adam": dict(scheme="full", update="adam"),
+        "demo_ortho": dict(scheme="demo", update="orthogonal"),
+        "full_ortho": dict(scheme="full", update="orthogonal"),
     }
     group = mesh["replicate"].get_group()
     replicas = mesh["replicate"].size()
@@ -125,7 +134,8 @@ def check_oracle(mesh, coords) -> dict:
         model = build(mesh, dtype=torch.float64)
         params = list(model.parameters())
         opt = FlexDeMo(params, mesh=mesh, **hp)
-        ref = FlexDeMoReference([local_tensor(p).detach().clone() for p in params], replicas, **hp)
+        locals_ = [local_tensor(p).detach().clone() for p in params]
+        ref = FlexDeMoReference(locals_, replicas, gather_rows=gather_rows_in_node(mesh), **hp)
         for step in range(8):
             x, y = batch(*coords, step, dtype=torch.float64)
             opt.zero_grad()
@@ -149,9 +159,24 @@ def check_oracle(mesh, coords) -> dict:
             theirs = [m1 for m1, _ in ref.adam[coords[0]]] + list(ref.anchor)
         else:
             ours, theirs = [spatial_momentum(opt, p, hp) for p in params], ref.momenta[coords[0]]
+        if hp.get("update") == "adam":  # and the rule's second moment
+            ours += [StateStore.local(opt.state[p]["update_sq"], local_tensor(p)) for p in params]
+            theirs = list(theirs) + ref.second[coords[0]]
         result["state_err"] = max((a - b).abs().max().item() if b.numel() else 0.0 for a, b in zip(ours, theirs))
         out[name] = result
     return out
+
+
+def gather_rows_in_node(mesh):
+    """The reference's own gather of a matrix's row shards (objects, one call per matrix)."""
+    shard = mesh["shard"]
+
+    def gather(local: torch.Tensor) -> tuple[torch.Tensor, int]:
+        parts = [None] * shard.size()
+        dist.all_gather_object(parts, local, group=shard.get_group())
+        return torch.cat(parts), sum(t.shape[0] for t in parts[: shard.get_local_rank()])
+
+    return gather
 
 
 def spatial_momentum(opt, p, hp) -> torch.Tensor:
@@ -166,10 +191,11 @@ def spatial_momentum(opt, p, hp) -> torch.Tensor:
 def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
     """DCP save/load restores each replica's own state; a resumed run continues the same curve."""
     out = {}
-    for name in ("demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_shared"):
+    for name in ("demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_shared", "demo_adam", "demo_ortho"):
         scheme, _, variant = name.partition("_")
         hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4}
         hp.update(overlap=variant == "overlap", shared_indices=variant == "shared")
+        hp.update(update={"adam": "adam", "ortho": "orthogonal"}.get(variant, "sign"))
         model = build(mesh)
         opt = FlexDeMo(model.parameters(), mesh=mesh, **hp)
         train(model, opt, coords, 6)
@@ -183,6 +209,7 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
         saved = [StateStore.local(opt.state[p][key], local_tensor(p)).clone() for p in params]
         saved_total = opt.total_stats.bytes_sent
         index_sets = [local_tensor(opt.state[p].get("shared_index_mask", torch.zeros(0))).clone() for p in params]
+        rule_state = [local_tensor(opt.state[p].get("update_sq", torch.zeros(0))).clone() for p in params]
         state_prints = replica_fingerprints(saved, opt.topology)
         train(model, opt, coords, 4, first_step=6)
         uninterrupted = [local_tensor(p).detach().clone() for p in params]
@@ -197,6 +224,7 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
         loaded = [StateStore.local(opt2.state[p][key], local_tensor(p)).clone() for p in params2]
         restored_total = opt2.total_stats.bytes_sent
         index_sets2 = [local_tensor(opt2.state[p].get("shared_index_mask", torch.zeros(0))).clone() for p in params2]
+        rule_state2 = [local_tensor(opt2.state[p].get("update_sq", torch.zeros(0))).clone() for p in params2]
         train(model2, opt2, coords, 4, first_step=6)
         out[name] = {
             "state_differs_across_replicas": len(set(state_prints)) > 1,
@@ -204,6 +232,8 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
             "state_dtype_kept": all(b.dtype == momentum_dtype(p) for b, p in zip(loaded, params2)),
             "counters_restored": restored_total == saved_total,
             "index_sets_restored": all(torch.equal(a, b) for a, b in zip(index_sets, index_sets2)),
+            "rule_state_restored": all(torch.equal(a, b) for a, b in zip(rule_state, rule_state2))
+            and (variant != "adam" or any(bool(a.any()) for a in rule_state)),
             "step_restored": int(opt2.state[params2[0]]["step"]) == 10,
             "resume_matches": all(torch.equal(local_tensor(p), q) for p, q in zip(params2, uninterrupted)),
         }

@@ -1,0 +1,186 @@
+"""Update rules (hf_flexdemo.updates) in one process: against the reference, state, refusals, cost."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_optimizer_single import SMALL, _HostSyncCounter, grads_for, make_params, train
+
+from hf_flexdemo import FlexDeMo, FlexDeMoConfig
+from hf_flexdemo.optim.flexdemo_reference import FlexDeMoReference
+from hf_flexdemo.updates import elementwise_parameters, newton_schulz
+
+pytestmark = pytest.mark.unit
+
+RULES = ("adam", "orthogonal")
+# Orthogonal needs whole matrices: random and striding send scattered entries (refused).
+COMBINATIONS = [(scheme, update) for scheme in ("demo", "full", "none") for update in RULES]
+COMBINATIONS += [("demo", "adam_every2")]
+
+
+@pytest.mark.parametrize(("scheme", "update"), COMBINATIONS)
+def test_one_replica_matches_the_reference(scheme, update):
+    params = make_params()
+    hp = {**SMALL, "scheme": scheme, "update": update}
+    if update == "adam_every2":  # bias correction counts replications
+        hp.update(update="adam", replicate_every=2)
+    ref = FlexDeMoReference([p.detach() for p in params], replicas=1, **hp)
+    opt = FlexDeMo(params, **hp)
+    for step in range(12):
+        grads = grads_for(step, params)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        ref.step([grads])
+    # Newton-Schulz runs in float32 in both: float32's precision bounds the difference there.
+    atol = 1e-6 if update == "orthogonal" else 1e-12
+    for p, q in zip(params, ref.params[0]):
+        torch.testing.assert_close(p.detach(), q, atol=atol, rtol=0)
+    if hp["update"] == "adam":
+        for p, v in zip(params, ref.second[0]):
+            torch.testing.assert_close(opt.state[p]["update_sq"], v, atol=1e-12, rtol=1e-12)
+
+
+def test_rules_take_different_steps_from_the_same_update():
+    """Not a relabelled sign rule: each rule moves a matrix differently."""
+    moved = {}
+    for update in ("sign", *RULES):
+        params = make_params()
+        opt = FlexDeMo(params, **{**SMALL, "update": update})
+        train(opt, params, 3)
+        moved[update] = params[3].detach().clone()  # the (20, 12) matrix
+    assert not torch.allclose(moved["sign"], moved["adam"])
+    assert not torch.allclose(moved["sign"], moved["orthogonal"])
+
+
+@pytest.mark.parametrize("shape", [(20, 12), (12, 20), (64, 64)])
+def test_newton_schulz_pushes_singular_values_towards_one(shape):
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    singular = torch.linalg.svdvals(newton_schulz(g).double())
+    lifted = torch.linalg.svdvals(g) > 0.05 * torch.linalg.svdvals(g).max()  # five steps lift all but the tiniest
+    assert singular[lifted].min() > 0.6 and singular.max() < 1.25, singular
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    o = newton_schulz(g).double()
+    # Same singular vectors: O is U diag(s') V^T with s' > 0, so U^T O V is diagonal.
+    inner = u.T @ o @ vh.T
+    assert (inner - torch.diag(torch.diagonal(inner))).abs().max() < 1e-4
+
+
+def test_orthogonal_step_has_the_size_of_a_sign_step():
+    """sqrt(max(rows, cols)) scaling: the same lr moves a matrix about as far as sign does."""
+    p = torch.nn.Parameter(torch.zeros(48, 16, dtype=torch.float64))
+    opt = FlexDeMo([p], lr=1.0, update="orthogonal", topk=64, chunk=8)
+    p.grad = torch.randn(48, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    opt.step()
+    rms = p.detach().pow(2).mean().sqrt().item()
+    assert 0.5 < rms < 1.2, rms
+
+
+@pytest.mark.parametrize("update", RULES)
+def test_state_dict_round_trip_continues_the_same_run(update):
+    params = make_params()
+    hp = {**SMALL, "update": update}
+    opt = FlexDeMo(params, **hp)
+    train(opt, params, 5)
+    saved_params = copy.deepcopy([p.detach() for p in params])
+    saved_state = copy.deepcopy(opt.state_dict())
+    train(opt, params, 5, first=5)
+    params2 = [torch.nn.Parameter(p.clone()) for p in saved_params]
+    opt2 = FlexDeMo(params2, **hp)
+    opt2.load_state_dict(saved_state)
+    train(opt2, params2, 5, first=5)
+    for p, q in zip(params, params2):
+        assert torch.equal(p, q)
+
+
+def test_adaptive_second_moment_is_shared_state_a_healing_node_copies():
+    params = make_params()
+    opt = FlexDeMo(params, **{**SMALL, "update": "adam"})
+    train(opt, params, 3)
+    peer = opt.replica_state()
+    assert all("update_sq" in state for state in peer["state"])
+    fresh = [torch.nn.Parameter(torch.zeros_like(p)) for p in params]
+    healed = FlexDeMo(fresh, **{**SMALL, "update": "adam"})
+    healed.load_replica_state(peer)
+    for p, q in zip(params, fresh):
+        assert torch.equal(opt.state[p]["update_sq"], healed.state[q]["update_sq"])
+
+
+def test_zero_gradient_step_with_zero_lr_changes_nothing():
+    """torch's distributed checkpoint creates state this way; the adaptive rule must not divide by lr = 0."""
+    for update in RULES:
+        params = make_params(seed=3)
+        before = [p.detach().clone() for p in params]
+        opt = FlexDeMo(params, **{**SMALL, "lr": 0.0, "update": update})
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for p, q in zip(params, before):
+            assert torch.equal(p.detach(), q)
+        assert all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.parametrize("update", RULES)
+def test_a_step_reads_back_a_bounded_number_of_values(update):
+    counts = {}
+    for n in (3, 30):
+        params = [torch.nn.Parameter(torch.randn(16, 8)) for _ in range(n)]
+        opt = FlexDeMo(params, **{**SMALL, "update": update})
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            with _HostSyncCounter() as counter:
+                opt.step()
+            counts.setdefault(n, []).append(counter.count)
+    assert counts[3][1:] == counts[30][1:] and max(counts[30][1:]) <= 2, counts
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.hidden = torch.nn.Linear(4, 4)
+        self.lm_head = torch.nn.Linear(4, 10)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+def test_embeddings_and_heads_keep_the_sign_rule_under_orthogonal():
+    model = TinyLM()
+    kept = elementwise_parameters(model)
+    assert {id(p) for p in kept} == {id(model.embed.weight), id(model.lm_head.weight), id(model.lm_head.bias)}
+    opt = FlexDeMo(model.parameters(), update="orthogonal", elementwise=kept)
+    by_rule = {group["update"]: {id(p) for p in group["params"]} for group in opt.param_groups}
+    assert by_rule["sign"] == {id(p) for p in kept}
+    assert by_rule["orthogonal"] == {id(model.hidden.weight), id(model.hidden.bias)}
+
+
+REFUSED = [
+    (dict(update="lion"), "update='lion'", "'sign', 'adam', 'orthogonal'"),
+    (dict(update="adam", scheme="diloco"), "update='adam'", "leave update='sign'"),
+    (dict(update="orthogonal", scheme="sparseloco"), "per-step schemes", "leave update='sign'"),
+    (dict(update="orthogonal", scheme="random"), "scattered subset", "scheme='demo' or 'full'"),
+    (dict(update="adam", scheme="striding"), "scattered subset", "update='sign' with striding"),
+    (dict(update="adam", sign=False), "sign=False", "drop sign=False"),
+    (dict(update="adam", betas=(0.9, 1.0)), "betas[1]=1.0", "[0.0, 1.0)"),
+    (dict(update="adam", eps=0.0), "eps=0.0", "(0.0, inf)"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "names", "allowed"), REFUSED)
+def test_bad_update_settings_are_refused_with_the_fix(kwargs, names, allowed):
+    with pytest.raises(ValueError) as info:
+        FlexDeMoConfig(**kwargs)
+    assert names in str(info.value) and allowed in str(info.value), str(info.value)
+
+
+def test_update_is_read_from_optim_args_and_per_group():
+    assert FlexDeMoConfig.from_optim_args("update=orthogonal").update == "orthogonal"
+    params = make_params()
+    opt = FlexDeMo([{"params": params[:3]}, {"params": params[3:], "update": "adam"}], update="orthogonal")
+    assert [g["update"] for g in opt.param_groups] == ["orthogonal", "adam"]
+    with pytest.raises(ValueError, match="update='adam' applies to the per-step schemes"):
+        FlexDeMo([{"params": params[:3]}, {"params": params[3:], "update": "adam"}], scheme="diloco")
