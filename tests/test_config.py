@@ -86,6 +86,21 @@ def test_bad_optim_args_are_refused(text, message):
     assert message in str(err.value)
 
 
+def test_a_near_miss_key_is_named_and_the_list_holds_only_keys_optim_args_accepts():
+    with pytest.raises(ValueError) as err:
+        parse_optim_args("top_k=32")
+    message = str(err.value)
+    assert "unknown key 'top_k' (did you mean 'topk'? write topk=32)" in message
+    listed = message.partition("The keys are ")[2].partition("]")[0]
+    assert "'topk'" in listed and not any(f"'{key}'" in listed for key in SHARED_KEYS), message
+    assert "--learning_rate" in message  # where lr and the others go instead
+
+
+def test_semicolons_are_refused_with_the_comma_separated_form():
+    with pytest.raises(ValueError, match="separated by commas, not semicolons; write 'topk=32,chunk=64'"):
+        parse_optim_args("topk=32;chunk=64")
+
+
 def test_every_flexdemo_only_setting_is_refused_with_another_optimizer():
     # A key missing here would be dropped silently by --optim adamw_torch --optim_args ...
     assert set(OWN_KEYS) | set(SHARED_KEYS) == set(FlexDeMoConfig.field_names())

@@ -13,6 +13,8 @@ import importlib.abc
 import sys
 import threading
 
+from .. import refusals
+
 _INSTALLING: set[str] = set()  # the plugin's own imports fire the hook again: ignore those
 
 
@@ -107,7 +109,12 @@ def _count_own_exec(loader) -> None:
 
 
 def activate_on_import() -> None:
-    """Install each integration now if its library is imported, else right after it is."""
+    """Install each integration now if its library is imported, else right after it is.
+
+    Also makes an uncaught refusal print its message once instead of a traceback per process
+    (:mod:`hf_flexdemo.refusals`).
+    """
+    refusals.install()
     with _LOCK:
         for name, hook in _ON_IMPORT.items():
             if name in sys.modules:

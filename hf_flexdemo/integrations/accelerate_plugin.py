@@ -13,15 +13,19 @@ its methods (idempotently, once per process; ``import hf_flexdemo`` calls it):
 - ``AcceleratorState.__init__``: on a machine without a GPU, Accelerate turns
   ``distributed_type: FSDP`` into plain multi-CPU DDP without a word. The plugin keeps
   FSDP2 on (gloo), and refuses FSDP1 there, whose ``HYBRID_SHARD`` would silently train
-  unsynchronized copies on CPU.
+  unsynchronized copies on CPU. Before Accelerate builds the device mesh, it refuses a
+  ``parallelism_config`` whose sizes do not multiply to the processes launched (torch's
+  own error there names no setting).
 - ``Accelerator.prepare``: when the optimizer being prepared is FlexDeMo, FSDP2 shards
   on the intra-node mesh dimension only (so FSDP never all-reduces gradients across
   nodes) and FlexDeMo gets the replicate dimension. Any other optimizer gets Accelerate's
   ordinary layout (HSDP when ``dp_replicate_size > 1``). FlexDeMo without FSDP2 in a
   multi-process job is refused. Under FSDP2 it also makes T5-style tied embedding
   modules one module, which FSDP2 requires; keeps Accelerate from sharding an input
-  embedding twice when its block is auto-wrapped already (ViT); and flags the model as
-  FSDP-managed so that ``generate`` keeps all ranks stepping together.
+  embedding twice when its block is auto-wrapped already (ViT); flags the model as
+  FSDP-managed so that ``generate`` keeps all ranks stepping together; and silences
+  torch's deprecation warning about Accelerate's own lookup of a flattened mesh dimension
+  for other optimizers' HSDP (harmless on torch 2.13, see :func:`_quiet_flattened_mesh_slicing`).
 
 :func:`check_flexdemo_layout` refuses every multi-process layout FlexDeMo cannot train
 (DDP, FSDP1, FSDP2 with an FSDP1 sharding strategy, fp16, a parallelism config that does not
@@ -36,12 +40,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 
 import torch
 from accelerate import Accelerator
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
 from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -67,6 +73,11 @@ class _ShardOnlyLayout(ParallelismConfig):
 
     @property
     def fsdp_dim_names(self):
+        if self.dp_shard_enabled and not self.cp_enabled:
+            # "dp_shard_cp" is then "dp_shard" flattened alone: the same processes. Naming the mesh's own
+            # dimension keeps torch (2.13) from warning, on every rank, that slicing a flattened dimension
+            # from the root mesh will go, here and where FlexDeMo lays its state over (replicate, shard).
+            return ["dp_shard"]
         return [name for name in super().fsdp_dim_names if name != REPLICATE_DIM]
 
 
@@ -179,6 +190,21 @@ def _mark_fsdp_managed(result) -> None:
             obj._is_fsdp_managed_module = True
 
 
+FLATTENED_SLICE_WARNING = "Slicing a flattened dim from root mesh"
+
+
+@contextlib.contextmanager
+def _quiet_flattened_mesh_slicing():
+    """For other optimizers (HSDP), Accelerate (1.15, ``fsdp2_prepare_model``) takes FSDP's mesh as
+    ``mesh["dp_replicate", "dp_shard_cp"]``, a flattened dimension sliced from the root mesh, and
+    torch (2.13) warns on every rank that this lookup will go. It still returns the right mesh,
+    and once torch drops it the lookup fails loudly; so this one warning is silenced inside
+    ``prepare`` only (README, caveats)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=FLATTENED_SLICE_WARNING, category=UserWarning)
+        yield
+
+
 def _prepare(original, self: Accelerator, *args, **kwargs):
     if self.is_fsdp2:
         with contextlib.ExitStack() as stack:
@@ -186,6 +212,7 @@ def _prepare(original, self: Accelerator, *args, **kwargs):
                 if isinstance(obj, torch.nn.Module):
                     share_tied_embedding_modules(obj)
                     stack.enter_context(_no_double_sharded_input_embedding(self, obj))
+            stack.enter_context(_quiet_flattened_mesh_slicing())
             result = _prepare_flexdemo_aware(original, self, *args, **kwargs)
         _mark_fsdp_managed(result)
         return result
@@ -250,25 +277,55 @@ def check_flexdemo_layout(state: AcceleratorState) -> None:
             f"FlexDeMo needs FSDP2 inside each node, but Accelerate runs {state.distributed_type} "
             f"with {state.num_processes} processes, which would all-reduce every gradient densely.{hint}"
         )
-    strategy = getattr(plugin.sharding_strategy, "name", plugin.sharding_strategy)
+    strategy = fsdp1_sharding_strategy(plugin)
     if strategy not in (None, "FULL_SHARD"):
         raise ValueError(
             f"fsdp_sharding_strategy={strategy} is an FSDP1 setting that FSDP2 ignores: FlexDeMo would train the "
-            "usual sharded layout instead. Remove it; FSDP2 shards over the processes of a node "
-            "(`parallelism_config_dp_shard_size`), and `fsdp_reshard_after_forward: false` keeps the gathered "
-            "parameters between forward and backward."
+            "usual sharded layout instead. With fsdp_version 2 only FULL_SHARD (the default) is allowed: remove "
+            "`fsdp_sharding_strategy` from `fsdp_config` (or `--fsdp_sharding_strategy` from the command line). "
+            "FSDP2 shards over the processes of a node (`parallelism_config_dp_shard_size`), and "
+            "`fsdp_reshard_after_forward: false` keeps the gathered parameters between forward and backward."
         )
     if state.mixed_precision == "fp16":
         raise ValueError(fp16_refusal("mixed_precision='fp16'", "mixed_precision='bf16'"))
-    config = getattr(state, "parallelism_config", None)
-    if config is not None and config.total_size not in (1, state.num_processes):
-        raise ValueError(
-            f"parallelism_config asks for dp_replicate {config.dp_replicate_size} x dp_shard {config.dp_shard_size}"
-            f" = {config.total_size} processes, but this launch started {state.num_processes} "
-            f"({os.environ.get('LOCAL_WORLD_SIZE', '?')} per machine). `--num_processes` counts the processes of all "
-            f"machines: write --num_processes {config.total_size} --num_machines {config.dp_replicate_size}, or "
-            "change the parallelism sizes."
-        )
+    refuse_parallelism_not_matching_launch(getattr(state, "parallelism_config", None), state.num_processes)
+
+
+def refuse_parallelism_not_matching_launch(config, processes: int) -> None:
+    """Before Accelerate builds the mesh: torch's own error names no setting and no fix."""
+    if config is None or config.total_size in (1, processes):
+        return
+    if getattr(config, "sp_backend", None) == "deepspeed" and config.sp_size > 1:
+        return  # DeepSpeed's sequence parallelism keeps its own groups; Accelerate skips this check too
+    raise ValueError(
+        f"parallelism_config asks for dp_replicate {config.dp_replicate_size} x dp_shard {config.dp_shard_size}"
+        f" = {config.total_size} processes, but this launch started {processes} "
+        f"({os.environ.get('LOCAL_WORLD_SIZE', processes)} per machine); the sizes must multiply to the processes "
+        f"of all machines. Write `num_processes: {config.total_size}` in the Accelerate config or --num_processes "
+        f"{config.total_size} on the command line (it counts all machines' processes: on {config.dp_replicate_size} "
+        f"machines, --num_machines {config.dp_replicate_size} --num_processes {config.total_size}), or change "
+        f"parallelism_config_dp_replicate_size and parallelism_config_dp_shard_size so that they multiply to "
+        f"{processes}."
+    )
+
+
+def fsdp1_sharding_strategy(plugin) -> str | None:
+    """The FSDP1 sharding strategy asked for, by name (``"NO_SHARD"``), or None.
+
+    For FSDP2, Accelerate (1.15) leaves ``plugin.sharding_strategy`` empty: the YAML's
+    ``fsdp_sharding_strategy`` and ``--fsdp_sharding_strategy`` reach the process only as
+    ``FSDP_SHARDING_STRATEGY`` (a name or FSDP1's number, 1 to 5).
+    """
+    value = plugin.sharding_strategy
+    if value is None and plugin.fsdp_version == 2:
+        value = os.environ.get("FSDP_SHARDING_STRATEGY")
+    value = getattr(value, "name", value)
+    if value is None:
+        return None
+    text = str(value).strip().upper()
+    if text.isdigit() and 1 <= int(text) <= len(FSDP_SHARDING_STRATEGY):
+        return FSDP_SHARDING_STRATEGY[int(text) - 1]
+    return text
 
 
 def launched_distributed() -> bool:
@@ -311,6 +368,7 @@ def _refuse_fsdp_without_a_shard_dimension(plugin, config) -> None:
 
 
 def _keep_fsdp_on_cpu(original, self: AcceleratorState, *args, **kwargs):
+    refuse_parallelism_not_matching_launch(kwargs.get("parallelism_config"), int(os.environ.get("WORLD_SIZE", "1")))
     _refuse_fsdp_without_a_shard_dimension(kwargs.get("fsdp_plugin"), kwargs.get("parallelism_config"))
     original(self, *args, **kwargs)
     plugin = kwargs.get("fsdp_plugin")

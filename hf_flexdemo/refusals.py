@@ -1,0 +1,78 @@
+"""A refusal reaches the user once, as its message: not once per process inside a traceback.
+
+hf_flexdemo refuses bad settings by raising ``ValueError`` (or one of its own exception
+classes) with a message that names the setting, the value and what to write instead.
+Uncaught in a job of N processes, Python would print it N times, each inside a traceback
+of some forty lines. :func:`install` (run by ``import hf_flexdemo``) wraps
+``sys.excepthook`` so that such an error prints its message once, on the first process of
+each launch (``LOCAL_RANK`` 0, so every machine's log says why it stopped), and the other
+processes exit quietly, a few seconds later under torchelastic (whose agent stops all
+workers at the first exit: the one that speaks must not be stopped before it has). The exit
+code stays 1: Python sets it after the hook.
+
+Every other uncaught error keeps its traceback, and ``HF_FLEXDEMO_TRACEBACK=1`` gives the
+refusals theirs back (on every process). ``torch.distributed`` wraps the hook it finds at
+``init_process_group`` to prefix each line with ``[rankN]:``, which reaches ours too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from types import TracebackType
+
+TRACEBACK_ENV = "HF_FLEXDEMO_TRACEBACK"
+_PACKAGE = __name__.partition(".")[0]
+_QUIET_EXIT_DELAY_S = 5.0
+
+
+def is_refusal(error: BaseException) -> bool:
+    """Raised by hf_flexdemo's own code, as a ``ValueError`` or one of hf_flexdemo's exception classes.
+
+    A ``ValueError`` that torch or a script raises, even when hf_flexdemo called it, is not one.
+    """
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    raised_by = str(tb.tb_frame.f_globals.get("__name__", ""))
+    own_class = type(error).__module__.partition(".")[0] == _PACKAGE
+    return raised_by.partition(".")[0] == _PACKAGE and (isinstance(error, ValueError) or own_class)
+
+
+def _first_process_of_launch() -> bool:
+    return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
+
+
+def _wants_traceback() -> bool:
+    return os.environ.get(TRACEBACK_ENV, "0").strip().lower() not in ("", "0", "false", "no")
+
+
+class _RefusalHook:
+    """``sys.excepthook``: one line for a refusal, the previous hook for everything else."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        if _wants_traceback() or not is_refusal(error):
+            self.previous(kind, error, tb)
+        elif _first_process_of_launch():
+            print(f"hf_flexdemo refused this run: {error}\n({TRACEBACK_ENV}=1 shows the traceback.)", file=sys.stderr)
+            sys.stderr.flush()
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            # The launcher stops every worker when the first one exits: let the one that speaks exit first.
+            time.sleep(_QUIET_EXIT_DELAY_S)
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Wrap ``sys.excepthook`` (once per process; keeps the hook installed before)."""
+    global _INSTALLED
+    if not _INSTALLED:  # not an isinstance test: torch may have wrapped ours since
+        sys.excepthook = _RefusalHook(sys.excepthook)
+        _INSTALLED = True

@@ -1,0 +1,74 @@
+"""Refusals as a user meets them: `accelerate launch` of an unmodified Trainer script with the
+Accelerate YAML or launcher flags a user would write (not a plugin object built in a test).
+
+Each refused launch stops at `Accelerator()` or `Trainer(...)`, before any data is loaded.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from support.launch import REPO_ROOT, TESTS_DIR, child_env, free_port
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = TESTS_DIR / "workers" / "plain_trainer_script.py"
+CPU_2X2 = (TESTS_DIR / "configs" / "cpu_2x2.yaml").read_text()
+LAUNCHER_TRACEBACK_END = "errors.ChildFailedError:"
+"""The launcher's own summary ends its traceback with this; workers' tracebacks do not."""
+
+
+def launch(tmp_path, config: str = CPU_2X2, launcher_args=(), script_args=(), **env: str):
+    """``accelerate launch --config_file <config> -m hf_flexdemo.run plain_trainer_script.py ...``, one step."""
+    config_file = tmp_path / "accelerate.yaml"
+    config_file.write_text(config)
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
+        "--main_process_port", str(free_port()), *launcher_args, "-m", "hf_flexdemo.run", str(SCRIPT),
+        "--optim", "flexdemo", "--max_steps", "1", "--per_device_train_batch_size", "2", "--report_to", "none",
+        "--output_dir", str(tmp_path / "out"), *script_args,
+    ]  # fmt: skip
+    proc = subprocess.run(command, env=child_env(**env), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def assert_refused_once(returncode: int, output: str, message: str) -> None:
+    assert returncode != 0, output[-3000:]
+    assert output.count(message) == 1, output[-6000:]
+    assert output.count("Traceback (most recent call last)") == output.count(LAUNCHER_TRACEBACK_END), output[-6000:]
+    assert "HF_FLEXDEMO_TRACEBACK=1" in output
+
+
+def test_a_refusal_is_said_once_by_the_first_process_without_a_traceback(tmp_path):
+    returncode, output = launch(tmp_path, script_args=["--optim_args", "value_bits=3"])
+    assert_refused_once(returncode, output, "value_bits=3 is invalid; value_bits must be one of (0, 1, 2, 4, 8)")
+
+
+@pytest.mark.parametrize(
+    "yaml_line,flags,strategy",
+    [
+        ("  fsdp_sharding_strategy: NO_SHARD\n", [], "NO_SHARD"),
+        ("", ["--fsdp_sharding_strategy", "4"], "HYBRID_SHARD"),  # FSDP1's number for it
+    ],
+)
+def test_an_fsdp1_sharding_strategy_under_fsdp2_is_refused(tmp_path, yaml_line, flags, strategy):
+    # Accelerate 1.15 leaves plugin.sharding_strategy empty for FSDP2: the value reaches only the environment.
+    config = CPU_2X2.replace("  fsdp_version: 2\n", "  fsdp_version: 2\n" + yaml_line)
+    returncode, output = launch(tmp_path, config, launcher_args=flags)
+    assert_refused_once(returncode, output, f"fsdp_sharding_strategy={strategy} is an FSDP1 setting")
+    assert "remove `fsdp_sharding_strategy` from `fsdp_config`" in output
+
+
+def test_a_parallelism_config_bigger_than_the_launch_is_refused_before_torch_builds_the_mesh(tmp_path):
+    config = CPU_2X2.replace("num_processes: 4", "num_processes: 2")
+    returncode, output = launch(tmp_path, config)
+    assert_refused_once(returncode, output, "dp_replicate 2 x dp_shard 2 = 4 processes, but this launch started 2")
+    assert "Write `num_processes: 4`" in output and "Mesh should not be bigger" not in output
+
+
+def test_accelerates_flattened_mesh_lookup_does_not_warn_on_every_rank(tmp_path):
+    returncode, output = launch(tmp_path, PYTHONWARNINGS="default")
+    assert returncode == 0, output[-3000:]
+    assert "Slicing a flattened dim" not in output

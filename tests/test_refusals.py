@@ -1,0 +1,45 @@
+"""An uncaught refusal prints its message once, without a traceback; every other error keeps its traceback.
+
+The launch under `accelerate launch` is in tests/test_refusal_launches.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from support.launch import child_env
+
+pytestmark = pytest.mark.unit
+
+REFUSED = "import torch, hf_flexdemo; hf_flexdemo.FlexDeMo([torch.nn.Parameter(torch.zeros(4))], topk=0)"
+MESSAGE = "topk=0 is invalid"
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], env=child_env(**env), capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_refusal_prints_its_message_and_the_variable_that_brings_the_traceback_back():
+    proc = run(REFUSED)
+    assert proc.returncode == 1
+    assert MESSAGE in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "HF_FLEXDEMO_TRACEBACK=1 shows the traceback" in proc.stderr
+
+
+def test_the_variable_brings_the_traceback_back():
+    proc = run(REFUSED, HF_FLEXDEMO_TRACEBACK="1")
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and MESSAGE in proc.stderr, proc.stderr
+
+
+def test_other_processes_of_a_launch_exit_quietly_with_the_same_code():
+    proc = run(REFUSED, LOCAL_RANK="1", RANK="1")
+    assert proc.returncode == 1 and proc.stderr.strip() == "", proc.stderr
+
+
+def test_a_value_error_raised_outside_hf_flexdemo_keeps_its_traceback():
+    proc = run("import hf_flexdemo; int('x')")
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "refused" not in proc.stderr, proc.stderr
