@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,13 +39,30 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
 from .config import FlexDeMoConfig
+from .lighthouse import (
+    LIGHTHOUSE_ENV,
+    FaultToleranceError,
+    LighthouseView,
+    NodeIdentity,
+    QuorumWatch,
+    import_torchft,
+    job_state_verdict,
+    lighthouse_status,
+    read_lighthouse,
+)
 from .topology import ReplicaTopology
+
+__all__ = [
+    "FaultToleranceError",
+    "ManagedReplicas",
+    "NodeIdentity",
+    "import_torchft",
+    "lighthouse_status",
+    "node_replicas",
+]
 
 logger = logging.getLogger(__name__)
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
-REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"
 WAIT_NOTICE_S = 5.0
 """How often a node waiting for its quorum says so, and who is missing."""
 MAX_UNCOMMITTED = 10
@@ -59,92 +74,6 @@ While it fails, the other nodes wait up to ``ft_timeout`` in each step's collect
 it gives up well before they would (``MAX_UNCOMMITTED``): relaunched, it tries afresh."""
 NODE_STATE_KEY = "flexdemo_node"
 """The first entry of the state a healing node receives: the peer's settings, checked before anything loads."""
-
-
-class FaultToleranceError(RuntimeError):
-    """The quorum of nodes cannot go on: Lighthouse lost, too few nodes, or a node that does not fit."""
-
-
-@dataclass(frozen=True)
-class NodeIdentity:
-    """Which node this is, and where the Lighthouse is: read from the environment, as torchft jobs set it."""
-
-    lighthouse: str
-    replica_group: int
-    replica_groups: int
-
-    @classmethod
-    def from_env(cls, min_replicas: int = 1, environ: dict[str, str] | None = None) -> NodeIdentity:
-        env = os.environ if environ is None else environ
-        lighthouse = env.get(LIGHTHOUSE_ENV, "")
-        if not lighthouse:
-            raise ValueError(
-                f"fault_tolerance='torchft' needs the Lighthouse address in {LIGHTHOUSE_ENV} (unset). Start one with "
-                f"`torchft_lighthouse --min_replicas 1 --bind [::]:29510` and write "
-                f"{LIGHTHOUSE_ENV}=http://<its host>:29510 in every node's environment."
-            )
-        if not re.match(r"^https?://", lighthouse):
-            raise ValueError(
-                f"{LIGHTHOUSE_ENV}={lighthouse!r} is not an address torchft can reach; write it as "
-                "http://<host>:<port>, e.g. http://10.0.0.1:29510."
-            )
-        groups = _env_int(env, REPLICA_GROUPS_ENV, "the number of nodes the job may have (fixes the data split)", 1)
-        group = _env_int(env, REPLICA_GROUP_ENV, f"this node's index, 0 to {REPLICA_GROUPS_ENV} - 1", 0)
-        if group >= groups:
-            raise ValueError(
-                f"{REPLICA_GROUP_ENV}={group} is invalid with {REPLICA_GROUPS_ENV}={groups}; it must be in "
-                f"[0, {groups - 1}]. Give every node its own index."
-            )
-        if min_replicas > groups:
-            raise ValueError(
-                f"min_replicas={min_replicas} is more than {REPLICA_GROUPS_ENV}={groups} nodes: no step could ever "
-                f"commit. Lower min_replicas or raise {REPLICA_GROUPS_ENV}."
-            )
-        return cls(lighthouse=lighthouse, replica_group=group, replica_groups=groups)
-
-    @property
-    def name(self) -> str:
-        return f"node{self.replica_group}"
-
-
-def _env_int(env, key: str, meaning: str, low: int) -> int:
-    raw = env.get(key)
-    if raw is None or not raw.strip().isdigit() or int(raw) < low:
-        raise ValueError(
-            f"fault_tolerance='torchft' needs {key}: {meaning}, an integer >= {low} (got {raw!r}). "
-            f"Set it in each node's environment, e.g. {key}={low}."
-        )
-    return int(raw)
-
-
-def import_torchft():
-    try:
-        import torchft
-        import torchft.manager
-        import torchft.process_group
-    except ImportError as e:
-        raise FaultToleranceError(
-            "fault_tolerance='torchft' needs the torchft package, which is not installed "
-            f"({e}). Install it with `pip install 'hf-flexdemo[torchft]'` (torchft 0.2.0)."
-        ) from e
-    return torchft
-
-
-def lighthouse_status(address: str, timeout: float = 2.0) -> str:
-    """The Lighthouse's own account of the next quorum, and who heartbeats (its /status page), in one line."""
-    try:
-        with urllib.request.urlopen(f"{address.rstrip('/')}/status", timeout=timeout) as reply:
-            page = reply.read().decode("utf-8", "replace")
-    except OSError as e:
-        return f"the Lighthouse at {address} does not answer ({e})"
-    status = re.search(r"Next quorum status:\s*([^<]*)", page)
-    text = status.group(1).strip() if status else "no quorum status on its page"
-    previous = page.split("Previous Quorum", 1)[-1].split("Heartbeats", 1)[0]
-    beats = re.findall(r'<li class="heartbeat\s*(old)?\s*">\s*(node\d+):', page.split("Heartbeats", 1)[-1])
-    last = sorted(set(re.findall(r"(node\d+):", previous)))
-    alive = sorted({node for old, node in beats if not old})  # "old": not seen within the heartbeat timeout
-    missing = [n for n in last if n not in alive]
-    return f"{text}; last quorum {last or '[]'}, heartbeating {alive or '[]'}, missing {missing or '[]'}"
 
 
 @dataclass(frozen=True)
@@ -246,6 +175,10 @@ class ManagedReplicas:
             ) from e
         # Registered first, so a healing node checks the peer's settings before loading anything.
         self.manager.register_state_dict_fn(NODE_STATE_KEY, self._check_peer, self._describe)
+        self._rank = rank
+        self._quorum = QuorumWatch(self.manager)
+        self._undone = 0  # steps undone on this node since the quorum last changed
+        self._resumed = False  # whether this node continues from a checkpoint
         logger.info(
             "FlexDeMo fault tolerance: %s (rank %d of %d) joined the Lighthouse at %s; min_replicas=%d.",
             self.identity.name,
@@ -310,6 +243,9 @@ class ManagedReplicas:
         if self._round_open:
             return False
         self._healed = False
+        first = not self._met
+        before = read_lighthouse(self.identity.lighthouse) if first and self._rank == 0 else None
+        previous = self._quorum.members
         done = threading.Event()
         watcher = threading.Thread(target=self._say_while_waiting, args=(done,), daemon=True)
         watcher.start()
@@ -345,14 +281,76 @@ class ManagedReplicas:
                 self.identity.name,
                 error.original_exception,
             )
+        self._say_quorum_change(previous)
+        if first:
+            self._check_job_state(before)
         if self._healed:
-            logger.warning(
+            # At step 0 every node takes the first node's initial parameters: nothing was lost.
+            say = logger.warning if self.manager.current_step() > 0 and self._rank == 0 else logger.info
+            say(
                 "FlexDeMo fault tolerance: %s took the parameters and training position from a live peer "
                 "(%d steps committed by the quorum) and trains on from there.",
                 self.identity.name,
                 self.manager.current_step(),
             )
         return self._healed
+
+    def _say_quorum_change(self, previous: tuple[str, ...]) -> None:
+        """One line when the quorum's nodes change: who left or joined, and the steps undone meanwhile."""
+        members = self._quorum.members
+        if members == previous:
+            return
+        undone, self._undone = self._undone, 0
+        if not previous or self._rank != 0:
+            return
+        left = [node for node in previous if node not in members]
+        joined = [node for node in members if node not in previous]
+        moves = [f"{', '.join(left)} left"] if left else []
+        moves += [f"{', '.join(joined)} joined"] if joined else []
+        size = "shrinks" if len(members) < len(previous) else "grows" if len(members) > len(previous) else "changes"
+        logger.warning(
+            "FlexDeMo fault tolerance: %s: the quorum %s from %d to %d live nodes (%s; now %s) at %d committed "
+            "steps; %d step(s) undone on this node since the last change.",
+            self.identity.name,
+            size,
+            len(previous),
+            len(members),
+            ", ".join(moves),
+            ", ".join(members),
+            self.manager.current_step(),
+            undone,
+        )
+
+    def _check_job_state(self, before: LighthouseView | None) -> None:
+        """At the first quorum: a node must not quietly start over a job whose state left with its nodes.
+
+        ``before`` is the Lighthouse's view before this node joined (read on rank 0, which decides
+        for the node). The quorum's committed steps (this node's after healing) below the last
+        quorum's, with none of that quorum's other nodes still heartbeating, mean the state is gone.
+        """
+        verdict: list = [None]
+        if self._rank == 0 and before is not None and before.job_step > self.manager.current_step():
+            now = read_lighthouse(self.identity.lighthouse)
+            verdict[0] = job_state_verdict(before, now, self.identity.name, self.manager.current_step(), self._resumed)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is None:
+            return
+        kind, message = verdict[0]
+        if kind == "refuse":
+            raise FaultToleranceError(message)
+        if self._rank == 0:
+            logger.warning(message)
+
+    def resume(self, state: dict[str, int] | None) -> None:
+        """Continue from a checkpoint: ``state`` is :meth:`state_dict` as it was saved (``None``: not saved)."""
+        if state:
+            self.manager.load_state_dict(state)
+        self._resumed = True
+
+    def state_dict(self) -> dict[str, int]:
+        """torchft's committed-step count, for a checkpoint: a node resumed from it heals only if behind."""
+        return self.manager.state_dict()
 
     def _say_while_waiting(self, done: threading.Event) -> None:
         started = time.monotonic()
@@ -382,8 +380,10 @@ class ManagedReplicas:
             self._uncommitted = 0
             return True
         self._uncommitted += 1
+        self._undone += 1
         if error:
-            why = f"its exchange failed: {error.original_exception}"
+            why = "its exchange with the quorum failed: a node left or timed out"
+            logger.info("FlexDeMo fault tolerance: %s: %s", self.identity.name, error.original_exception)
         elif live < self.config.min_replicas:
             why = f"{live} live node(s), fewer than min_replicas={self.config.min_replicas}"
         else:
@@ -395,12 +395,13 @@ class ManagedReplicas:
                 f"{self.config.min_replicas} (the job's min_replicas) so that nodes wait for a quorum instead. "
                 f"{lighthouse_status(self.identity.lighthouse)}."
             )
-        logger.warning(
-            "FlexDeMo fault tolerance: %s did not commit this step (%s); the step is undone on this node (its batch "
-            "is skipped) and training goes on.",
-            self.identity.name,
-            why,
-        )
+        if self._rank == 0:
+            logger.warning(
+                "FlexDeMo fault tolerance: %s did not commit this step (%s); the step is undone on this node (its "
+                "batch is skipped) and training goes on.",
+                self.identity.name,
+                why,
+            )
         return False
 
     def report(self, error: Exception) -> None:

@@ -73,6 +73,37 @@ def test_an_automatic_restart_resumes_by_default(tmp_path, monkeypatch):
     assert resolve_resume(tmp_path, None) == str(tmp_path / "checkpoint-3")
 
 
+def test_an_earlier_runs_complete_checkpoints_are_resumed_not_overwritten(tmp_path, caplog):
+    """A crashed job relaunched with the same command (no resume asked for) continues from its newest complete save."""
+    make_checkpoint(tmp_path, 4)
+    make_checkpoint(tmp_path, 8, complete=False)  # killed mid-save
+    with caplog.at_level("WARNING"):
+        assert resolve_resume(tmp_path, None) == str(tmp_path / "checkpoint-4")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "Resuming from" in said[0] and "removed the incomplete checkpoint-8" in said[0]
+    assert "to start over instead, remove checkpoint-4 (or choose another --output_dir)" in said[0]
+    assert "--overwrite_output_dir" not in said[0]  # transformers 5.x has no such setting
+    assert resolve_resume(tmp_path, False, overwrite=False) == str(tmp_path / "checkpoint-4")
+    assert "or pass --overwrite_output_dir" in caplog.records[-1].getMessage()  # 4.x has it
+
+
+def test_overwrite_output_dir_starts_over_without_stale_markers(tmp_path):
+    make_checkpoint(tmp_path, 4)
+    assert resolve_resume(tmp_path, None, overwrite=True) is None
+    assert not (tmp_path / "checkpoint-4").exists()
+
+
+def test_unmarked_checkpoints_are_never_overwritten_silently(tmp_path):
+    make_checkpoint(tmp_path, 6, complete=False)  # a stock save, or an interrupted one: no way to tell
+    with pytest.raises(ValueError, match=r"holds checkpoint-6 without hf_flexdemo's completion marker") as caught:
+        resolve_resume(tmp_path, None)
+    assert "--resume_from_checkpoint auto" in str(caught.value) and "checkpoint-6 to resume" in str(caught.value)
+    assert (tmp_path / "checkpoint-6").exists()
+    (tmp_path / "checkpoint-6" / "trainer_state.json").unlink()  # not resumable by anyone: an interrupted save
+    assert resolve_resume(tmp_path, None) is None
+    assert not (tmp_path / "checkpoint-6").exists()
+
+
 def test_an_explicit_incomplete_checkpoint_is_refused_with_the_alternative(tmp_path):
     make_checkpoint(tmp_path, 4)
     broken = make_checkpoint(tmp_path, 5)

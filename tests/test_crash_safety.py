@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from support.accelerate_runs import launch_command
-from support.faults import kill_during_saves, small_disk, wait_for, workers
+from support.faults import kill_during_saves, saving_now, small_disk, wait_for, workers
 from support.launch import REPO_ROOT, child_env, free_port, port_open, run_checked
 
 from hf_flexdemo.integrations.checkpoints import MARKER, checkpoints, incomplete_reason
@@ -97,6 +97,30 @@ def test_workers_killed_during_saves_restart_on_every_node_and_end_bitwise_equal
     assert len(decisions) >= 2, decisions
     assert losses(tmp_path) == losses(uninterrupted)
     assert (tmp_path / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
+    assert all(incomplete_reason(folder) is None for _, folder in checkpoints(tmp_path))
+
+
+def test_a_crashed_job_relaunched_with_the_same_command_resumes_and_keeps_its_checkpoints(tmp_path):
+    """A worker killed during the save of checkpoint-8; the same command again continues, checkpoint-4 untouched."""
+    command = t5_command(tmp_path, "--max_steps", "12", "--save_steps", "4", "--logging_steps", "4")
+    log = tmp_path.parent / f"{tmp_path.name}-first.log"
+    with log.open("w") as out:
+        first = subprocess.Popen(command, env=child_env(), cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: first.poll() is None and saving_now(tmp_path, 4), 300, "the save of checkpoint-8")
+        workers(first)[-1].send_signal(signal.SIGKILL)
+        assert first.wait(timeout=120) != 0
+    finally:
+        first.kill()
+    kept = {path: path.stat().st_mtime_ns for path in (tmp_path / "checkpoint-4").rglob("*")}
+    assert incomplete_reason(tmp_path / "checkpoint-4") is None, log.read_text()[-4000:]
+    proc = run_checked(command, timeout=600)
+    output = proc.stdout + proc.stderr
+    resumed = re.findall(r"Resuming from (\S+), the newest complete checkpoint of an earlier run", output)
+    # Rank 0 says it once; checkpoint-8 too if the kill came just after its marker.
+    assert len(resumed) == 1 and resumed[0] in (str(tmp_path / "checkpoint-4"), str(tmp_path / "checkpoint-8")), output
+    assert {path: path.stat().st_mtime_ns for path in (tmp_path / "checkpoint-4").rglob("*")} == kept
+    assert [step for step, _ in checkpoints(tmp_path)] == [4, 8, 12]
     assert all(incomplete_reason(folder) is None for _, folder in checkpoints(tmp_path))
 
 

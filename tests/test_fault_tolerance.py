@@ -9,6 +9,7 @@ group SIGKILLed (launcher and workers), as when a machine disappears.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from support.launch import child_env
 from hf_flexdemo import FlexDeMo
 from hf_flexdemo.config import FlexDeMoConfig
 from hf_flexdemo.fault_tolerance import NodeIdentity
+from hf_flexdemo.lighthouse import LighthouseView, job_state_verdict, read_lighthouse
 from hf_flexdemo.topology import ReplicaTopology
 
 pytest.importorskip("torchft", reason="torchft is part of the test install (setup.cfg [test])")
@@ -82,23 +84,25 @@ def losses_fell(result: dict) -> bool:
 @pytest.mark.parametrize("scheme", ["demo", "diloco", "sparseloco"])
 def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, scheme):
     extra = ",inner_steps=4" if scheme in ("diloco", "sparseloco") else ""
+    slow = tmp_path / "slow_while_node1_is_away"
     flags = [*TINY, "--max_steps", "100", "--step_delay", "0.15", *ft_args(f",scheme={scheme}{extra}")]
-    nodes = nodes_of(2, lighthouse, tmp_path, *flags)
+    nodes = nodes_of(2, lighthouse, tmp_path, *flags, extra={0: ("--slow_while", str(slow))})
     for node in nodes:
         node.start()
     wait_until(lambda: nodes[1].step() >= 8, 180, "both nodes to train")
+    slow.touch()  # however long the relaunch takes to start, the survivor is still training when it returns
     killed_at = nodes[1].kill()
-    step_at_kill = nodes[0].step()
+    step_at_relaunch = nodes[0].step()
+    relaunched = time.time()
+    nodes[1].start()
 
-    # The survivor trains on alone, without a restart.
-    wait_until(lambda: nodes[0].step() >= step_at_kill + 8, 60, "the survivor to keep stepping")
-    after = [p for p in nodes[0].progress() if p["time"] > killed_at]
+    # Meanwhile the survivor trains on alone, without a restart.
+    wait_until(lambda: nodes[0].step() >= step_at_relaunch + 4, 60, "the survivor to keep stepping")
+    after = [p for p in nodes[0].progress() if p["time"] > killed_at][:4]
     assert after[0]["time"] - killed_at < 10, "the survivor's next commit came more than 10 s after the loss"
     assert all(p["replicas"] == 1 for p in after[2:]), "the quorum did not shrink to the live node"
-
-    relaunched = time.time()
-    step_at_relaunch = nodes[0].step()
-    nodes[1].start()
+    wait_until(lambda: any(p["time"] > relaunched for p in nodes[1].progress()), 120, "node1 to train again")
+    slow.unlink()
     finish(nodes)
     rejoined = nodes[1].progress()
     rejoined = rejoined[next(i for i, p in enumerate(rejoined) if p["time"] > relaunched) :]
@@ -109,9 +113,41 @@ def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, sc
         survivor, returned = nodes[0].result(rank), nodes[1].result(rank)
         assert survivor["fingerprint"] == returned["fingerprint"], f"rank {rank}: nodes end with different parameters"
         assert survivor["global_step"] == returned["global_step"] == 100
+        assert returned["epoch"] == pytest.approx(survivor["epoch"], abs=1e-9), "the healed node kept its own epoch"
         assert losses_fell(survivor)
         assert returned["losses"][-1][1] < survivor["losses"][0][1]  # it trains on from the live state
     assert "took the parameters and training position from a live peer" in nodes[1].log()
+    said_by_us(nodes, killed=1)
+    if scheme == "demo":
+        a_finished_job_is_not_started_over(nodes[1])
+
+
+def said_by_us(nodes: list[Node], killed: int) -> None:
+    """What the nodes print: our lines on quorum changes and healing, the summary; no torchft INFO lines."""
+    survivor = nodes[1 - killed]
+    log = survivor.log()
+    shrinks = rf"the quorum shrinks from 2 to 1 live nodes \(node{killed} left; now node\d\) at \d+ committed steps"
+    left = re.findall(shrinks + r"; (\d+) step\(s\) undone", log)
+    assert len(left) == 1 and int(left[0]) <= 2, log[-6000:]
+    assert re.search(rf"the quorum grows from 1 to 2 live nodes \(node{killed} joined", log), log[-6000:]
+    for node in nodes:
+        text = node.log()
+        assert "[INFO] [torchft" not in text and "Connection closed by peer" not in text, text[-6000:]
+        assert "from a live peer (0 steps committed" not in text  # the start-up sync loses nothing: not said
+        summary = f"100 steps on 2 nodes x 2 processes (fault-tolerant; this is node {node.index})"
+        assert summary in text and f"inter-node bytes sent by node {node.index}:" in text, text[-3000:]
+
+
+def a_finished_job_is_not_started_over(node: Node) -> None:
+    """Relaunched after its peers finished, with no checkpoint of its own: refused, not a fresh model alone."""
+    model = node.dir / "result_rank0.json"
+    before = model.read_bytes()
+    node.start()
+    assert node.wait(120) != 0
+    log = node.log()
+    assert "node1 joins a job whose last quorum had committed" in log, log[-6000:]
+    assert "restart torchft_lighthouse" in log
+    assert model.read_bytes() == before
 
 
 @pytest.mark.faults
@@ -315,6 +351,12 @@ def test_the_torchft_api_we_use_is_where_we_call_it():
         assert hasattr(Manager, name), f"torchft Manager.{name} moved"
     for name in ("allgather", "allreduce", "configure"):
         assert hasattr(ProcessGroupGloo, name)
+    # QuorumWatch stands in for the manager's private client to learn each quorum's members.
+    from torchft._torchft import ManagerClient, QuorumResult
+
+    assert "self._client._quorum(" in inspect.getsource(Manager._async_quorum)
+    assert hasattr(ManagerClient, "_quorum") and "replica_ids" in dir(QuorumResult)
+    assert hasattr(Manager, "state_dict") and hasattr(Manager, "load_state_dict")  # a resumed node's commit count
     assert os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"))
 
 
@@ -338,6 +380,41 @@ def test_the_waiting_message_names_who_is_missing_from_the_lighthouse():
     finally:
         server.shutdown()
     assert "does not answer" in lighthouse_status(f"http://127.0.0.1:{free_port()}")
+
+
+@pytest.mark.unit
+def test_the_lighthouse_view_holds_the_last_quorums_steps():
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient, LighthouseServer
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=500)
+    try:
+        address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+        client = LighthouseClient(address, timedelta(seconds=5))
+        client.heartbeat("node0:a1")
+        quorum = dict(timeout=timedelta(seconds=5), address="x", store_address="y", world_size=1, shrink_only=False)
+        client.quorum(replica_id="node0:a1", step=57, **quorum)
+        view = read_lighthouse(address)
+        assert view.last_quorum == {"node0:a1": 57} and view.job_step == 57
+        assert view.heartbeating == {"node0:a1"}
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.unit
+def test_a_node_that_would_start_a_finished_job_over_is_refused_and_a_resumed_one_is_told():
+    before = LighthouseView(last_quorum={"node0:a": 100, "node1:b": 97})
+    gone = LighthouseView(heartbeating=frozenset({"node1:new"}))  # only the relaunched node itself
+    kind, message = job_state_verdict(before, gone, "node1", 0, resumed=False)
+    assert kind == "refuse" and "last quorum had committed 100 steps (node0 at 100, node1 at 97)" in message
+    assert "restart torchft_lighthouse" in message
+    kind, message = job_state_verdict(before, gone, "node1", 60, resumed=True)
+    assert kind == "warn" and "resumes from its checkpoint at 60 committed steps, behind the 100" in message
+    late = LighthouseView(heartbeating=frozenset({"node0:a"}))  # a peer that holds the steps, only slow to join
+    assert job_state_verdict(before, late, "node1", 0, resumed=False) is None
+    assert job_state_verdict(before, gone, "node1", 100, resumed=False) is None  # healed to the job's state
+    assert job_state_verdict(LighthouseView(), gone, "node1", 0, resumed=False) is None  # a new job
 
 
 class OneReplicaQuorum:

@@ -37,7 +37,7 @@ from hf_flexdemo.integrations.checkpoints import (
     newest_complete,
     storage_errors,
 )
-from hf_flexdemo.integrations.trainer import describe, is_flexdemo, layout
+from hf_flexdemo.integrations.trainer import describe, is_flexdemo, layout, node_label
 from hf_flexdemo.wire import ring_all_reduce_bytes
 
 logger = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ def final_metrics(log_history: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def comm_figures(trainer: Trainer) -> dict[str, float]:
-    """Node 0's inter-node bytes so far and what AdamW with HSDP's dense all-reduce would send."""
+    """The inter-node bytes so far of :func:`node_label`'s node, and what AdamW with HSDP's all-reduce would send."""
     callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FlexDeMoCallback)), None)
     if callback is not None and callback.figures:
         return {"sent": callback.figures["flexdemo/bytes_sent"], "dense": callback.figures["flexdemo/dense_bytes"]}
@@ -373,16 +373,17 @@ def print_summary(trainer: Trainer, metrics: dict[str, float], headline: Sequenc
         return
     shown = " | ".join(f"{k.removeprefix('eval_')} {_fmt(metrics[k])}" for k in headline if k in metrics)
     figures = comm_figures(trainer)
+    node = node_label(trainer)
     print(f"\n== {Path(trainer.args.output_dir).name}: {trainer.state.global_step} steps on {layout(trainer)}")
     print(f"   {shown}")
     if is_flexdemo(trainer.args):
         ratio = figures["dense"] / figures["sent"] if figures["sent"] else math.inf
         print(
-            f"   inter-node bytes sent by node 0: {_bytes(figures['sent'])} with {describe(trainer.args)}; "
+            f"   inter-node bytes sent by {node}: {_bytes(figures['sent'])} with {describe(trainer.args)}; "
             f"AdamW with HSDP would have sent {_bytes(figures['dense'])} ({ratio:.0f}x more)"
         )
     else:
-        print(f"   inter-node bytes sent by node 0 (dense all-reduce): {_bytes(figures['dense'])}")
+        print(f"   inter-node bytes sent by {node} (dense all-reduce): {_bytes(figures['dense'])}")
 
 
 def _bytes(n: float) -> str:

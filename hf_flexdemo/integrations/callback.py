@@ -9,9 +9,9 @@
   callback calls ``optimizer.synchronize()``: a pending ``overlap`` exchange is applied,
   and DiLoCo runs an extra outer step, so that what is saved, evaluated and returned is
   the replicas' common model (DiLoCo replicas differ between outer steps).
-- **Logs** the inter-node figures of node 0 at every logging step, into the Trainer logs
-  (console, wandb, TensorBoard, ``log_history``): ``flexdemo/bytes_sent_per_step``,
-  cumulative ``flexdemo/bytes_sent`` and ``flexdemo/bytes_received``,
+- **Logs** the inter-node figures of node 0 (with fault tolerance, each node its own) at
+  every logging step, into the Trainer logs (console, wandb, TensorBoard, ``log_history``):
+  ``flexdemo/bytes_sent_per_step``, cumulative ``flexdemo/bytes_sent`` and ``flexdemo/bytes_received``,
   ``flexdemo/dense_bytes`` (what HSDP's dense all-reduce would have sent) and
   ``flexdemo/compression_ratio``; with fault tolerance also ``flexdemo/live_replicas`` (the
   last quorum's nodes) and ``flexdemo/committed_steps`` (steps the quorum committed).
@@ -28,29 +28,16 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..config import OWN_KEYS
 from ..optim import FlexDeMo, unwrap_flexdemo
 from ..topology import collective_device
 from .accelerate_plugin import check_flexdemo_layout, fp16_refusal
+from .training_args import flexdemo_kwargs, is_flexdemo, refuse_flexdemo_args_for_other_optimizers
 
 logger = logging.getLogger(__name__)
 
 
 class ReplicaDriftError(RuntimeError):
     """Replicas that should be identical hold different parameters."""
-
-
-def refuse_flexdemo_args_for_other_optimizers(args: TrainingArguments) -> None:
-    """``--optim adamw_torch --optim_args topk=32`` would train AdamW and drop the FlexDeMo settings."""
-    text = args.optim_args or ""
-    keys = {item.partition("=")[0].strip() for item in text.split(",")}
-    own = sorted(keys & set(OWN_KEYS))
-    if own:
-        optim = getattr(args.optim, "value", args.optim)
-        raise ValueError(
-            f"optim_args={text!r} sets FlexDeMo's {own}, but optim={optim!r} would ignore them. "
-            f"Write --optim flexdemo to train with FlexDeMo, or drop {own} from --optim_args."
-        )
 
 
 class FlexDeMoCallback(TrainerCallback):
@@ -70,13 +57,12 @@ class FlexDeMoCallback(TrainerCallback):
         self._last = None  # (global_step, totals) at the last log
         self._pending: dict[str, float] = {}
         self.figures: dict[str, float] = {}
-        """Node 0's latest figures (the logged keys), refreshed at logging steps and at the end."""
+        """This node's latest figures (the logged keys; node 0's on the main process), refreshed at logging steps
+        and at the end."""
 
     # -- before training -----------------------------------------------------------------
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw):
-        from .trainer import flexdemo_kwargs, is_flexdemo
-
         if not is_flexdemo(args):
             refuse_flexdemo_args_for_other_optimizers(args)
             return

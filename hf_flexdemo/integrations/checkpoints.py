@@ -8,8 +8,8 @@ finished writing (a barrier) and the files are flushed to disk; the marker lists
 and its size, so truncation after the fact is noticed too.
 
 - :func:`resolve_resume` turns ``resume_from_checkpoint`` (``"auto"``/``True``, a path, or
-  nothing on an automatic restart) into the checkpoint to load, and removes the incomplete
-  ones it skipped;
+  nothing) into the checkpoint to load, and removes the incomplete ones it skipped; asked for
+  nothing, it resumes an earlier run it finds in ``output_dir`` rather than overwrite it;
 - :func:`storage_errors` turns a full disk or a read-only output directory into one short
   :class:`CheckpointStorageError` that says what is whole on disk.
 """
@@ -149,14 +149,20 @@ def rotate(run_dir: Path, limit: int | None, best: str | None) -> list[str]:
 # -- resuming ------------------------------------------------------------------------------
 
 
-def resolve_resume(run_dir: str | os.PathLike, request: str | bool | None) -> str | None:
+def resolve_resume(
+    run_dir: str | os.PathLike, request: str | bool | None, *, overwrite: bool | None = None
+) -> str | None:
     """The checkpoint to resume from for ``request``, the same on every process.
 
     ``"auto"`` or ``True``: the newest complete checkpoint in ``run_dir`` (incomplete ones are
-    removed and named in the log), or ``None`` for a fresh start. ``None``/``False``: no
-    resume, except after an automatic restart (torchelastic), where it means ``"auto"``.
-    A path: that checkpoint, which must be complete. The main process decides (and checks
-    that ``run_dir`` can be written) and tells the others, so that all of them raise together.
+    removed and named in the log), or ``None`` for a fresh start. A path: that checkpoint,
+    which must be complete. ``None``/``False`` (not asked): a fresh start in an empty
+    ``run_dir``; with an earlier run's complete checkpoints there, resume from the newest
+    one (a relaunched job continues instead of overwriting them), as after an automatic
+    restart. ``overwrite``: transformers 4.x's ``overwrite_output_dir`` (``None`` where the
+    version has no such setting); ``True`` removes the earlier checkpoints and starts over.
+    The main process decides (and checks that ``run_dir`` can be written) and tells the
+    others, so that all of them raise together.
     """
     restarts = _job_restart_count()
     if not request and restarts > 0:
@@ -168,7 +174,7 @@ def resolve_resume(run_dir: str | os.PathLike, request: str | bool | None) -> st
     if _rank() == 0:
         try:
             check_writable(run_dir)
-            decision[0] = _decide(Path(run_dir), request) if request else ("ok", None)
+            decision[0] = _decide(Path(run_dir), request) if request else _decide_unasked(Path(run_dir), overwrite)
         except CheckpointStorageError as error:
             decision[0] = ("unwritable", str(error))
     if dist.is_available() and dist.is_initialized():
@@ -205,6 +211,48 @@ def _decide(run_dir: Path, request: str | bool) -> tuple[str, str | None]:
         f"--resume_from_checkpoint={request!r} is not a complete checkpoint: {reason}. "
         f"Use --resume_from_checkpoint auto (the newest complete one), or write {instead}."
     )
+
+
+def _decide_unasked(run_dir: Path, overwrite: bool | None) -> tuple[str, str | None]:
+    """No resume asked for: never let a fresh start overwrite what an earlier run saved in ``run_dir``."""
+    found = [folder for _, folder in checkpoints(run_dir)]
+    if not found:
+        return "ok", None
+    names = ", ".join(folder.name for folder in found)
+    if overwrite:
+        for folder in found:
+            shutil.rmtree(folder, ignore_errors=True)  # stale markers must not vouch for a half-rewritten folder
+        logger.warning("overwrite_output_dir=True: removed %s from %s; training starts from step 0.", names, run_dir)
+        return "ok", None
+    start_over = "remove {} (or choose another --output_dir)" + (
+        " or pass --overwrite_output_dir" if overwrite is not None else ""
+    )
+    complete = newest_complete(run_dir)
+    if complete is not None:
+        removed = remove_incomplete(run_dir)
+        skipped = f" (removed the incomplete {', '.join(removed)})" if removed else ""
+        kept = ", ".join(folder.name for _, folder in checkpoints(run_dir))
+        logger.warning(
+            "Resuming from %s, the newest complete checkpoint of an earlier run in %s%s; to start over instead, %s.",
+            complete,
+            run_dir,
+            skipped,
+            start_over.format(kept),
+        )
+        return "ok", str(complete)
+    # Without our marker a folder may still be a whole checkpoint saved without hf_flexdemo.
+    stock = [folder.name for folder in found if (folder / "trainer_state.json").is_file()]
+    if stock:
+        return "error", (
+            f"output_dir={str(run_dir)!r} holds {', '.join(stock)} without hf_flexdemo's completion marker (saved "
+            "without hf_flexdemo, or a save that was interrupted), and training from step 0 would overwrite it. "
+            f"Write --resume_from_checkpoint {run_dir / stock[-1]} to resume from it as it is, "
+            f"--resume_from_checkpoint auto to discard it as interrupted and start from step 0, or "
+            f"{start_over.format(', '.join(stock))}."
+        )
+    removed = remove_incomplete(run_dir)
+    logger.warning("Removed interrupted saves in %s: %s; starting from step 0.", run_dir, ", ".join(removed))
+    return "ok", None
 
 
 # -- saving --------------------------------------------------------------------------------

@@ -11,19 +11,25 @@ At ``Trainer(...)``, before any training:
   make the replicas one;
 - ``output_dir`` becomes ``<output_dir>/node<ID>``: each node checkpoints its own state, and
   nodes that share a file system must not write the same checkpoint folders;
-- a healing node receives the global step, epoch and scheduler position with the parameters.
+- a healing node receives the global step, epoch and scheduler position with the parameters;
+- each checkpoint also holds torchft's committed-step count (:data:`QUORUM_FILE`), so that a
+  node resumed from it heals only if the live nodes are ahead, and knows how far it got.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 from ..config import FlexDeMoConfig
-from ..fault_tolerance import NodeIdentity, import_torchft, node_replicas
+from ..fault_tolerance import ManagedReplicas, NodeIdentity, import_torchft, node_replicas
 from .accelerate_plugin import default_layout
+from .checkpoints import CheckpointCallback
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +37,8 @@ LAST_LOGGED = "_globalstep_last_logged"
 """Private Trainer attribute (4.57 to 5.23): the step of the last log; the logged loss is the summed loss
 over the steps since. A healing node's global step jumps, so it moves with it (checked in
 tests/test_library_symbols.py)."""
+QUORUM_FILE = "flexdemo_quorum.json"
+"""In each checkpoint of a fault-tolerant node: torchft's committed-step count when it was saved."""
 
 
 def prepare_fault_tolerant_trainer(trainer, config: FlexDeMoConfig) -> None:
@@ -46,7 +54,12 @@ def prepare_fault_tolerant_trainer(trainer, config: FlexDeMoConfig) -> None:
         trainer.train_dataset = split_by_node(trainer.train_dataset, identity)
     device = trainer.accelerator.device
     replicas = node_replicas(config, device=device if device.type == "cuda" else None)
-    replicas.register("trainer", lambda: _trainer_position(trainer), lambda peer: _take_position(trainer, peer))
+    position = NodePosition(replicas)
+    # Before CheckpointCallback, whose marker must list the quorum file too.
+    callbacks = trainer.callback_handler.callbacks
+    at = next((i for i, c in enumerate(callbacks) if isinstance(c, CheckpointCallback)), len(callbacks))
+    callbacks.insert(at, position)
+    replicas.register("trainer", lambda: _trainer_position(trainer), lambda peer: position.take(trainer, peer))
     replicas.describe(
         "trainer",
         lambda: {
@@ -107,15 +120,53 @@ def _trainer_position(trainer) -> dict:
     }
 
 
-def _take_position(trainer, peer: dict) -> None:
-    jump = peer["global_step"] - trainer.state.global_step
-    trainer.state.global_step = peer["global_step"]
-    if hasattr(trainer, LAST_LOGGED):  # the next logged loss averages over the steps this node trained
-        setattr(trainer, LAST_LOGGED, getattr(trainer, LAST_LOGGED) + jump)
-    trainer.state.epoch = peer["epoch"]
-    scheduler = trainer.lr_scheduler
-    if scheduler is not None and peer["scheduler"] is not None:
-        scheduler.load_state_dict(peer["scheduler"])
-        # The optimizer reads lr from its groups, which the scheduler sets only when it steps.
-        for group, lr in zip(trainer.optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr
+class NodePosition(TrainerCallback):
+    """This node's place in the job: the position taken from a healing peer, and the one checkpoints keep.
+
+    The Trainer recomputes ``state.epoch`` from its own loop counters after every step, so
+    a healed node would fall back to the epoch it counted itself: the difference to the
+    peer's is carried on at every step.
+    """
+
+    def __init__(self, replicas: ManagedReplicas):
+        self.replicas = replicas
+        self.epoch_offset = 0.0
+
+    def take(self, trainer, peer: dict) -> None:
+        """Take a healing peer's global step, epoch and scheduler position."""
+        state = trainer.state
+        jump = peer["global_step"] - state.global_step
+        state.global_step = peer["global_step"]
+        if hasattr(trainer, LAST_LOGGED):  # the next logged loss averages over the steps this node trained
+            setattr(trainer, LAST_LOGGED, getattr(trainer, LAST_LOGGED) + jump)
+        if peer["epoch"] is not None:
+            own = (state.epoch or 0.0) - self.epoch_offset  # what the Trainer's loop counts
+            self.epoch_offset = peer["epoch"] - own
+            state.epoch = peer["epoch"]
+        scheduler = trainer.lr_scheduler
+        if scheduler is not None and peer["scheduler"] is not None:
+            scheduler.load_state_dict(peer["scheduler"])
+            # The optimizer reads lr from its groups, which the scheduler sets only when it steps.
+            for group, lr in zip(trainer.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.epoch_offset:
+            state.epoch += self.epoch_offset
+
+    def on_save(self, args, state, control, **kw):
+        if args.should_save:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            (folder / QUORUM_FILE).write_text(json.dumps(self.replicas.state_dict()))
+
+    def resume(self, checkpoint: str) -> None:
+        """Continue from ``checkpoint``: torchft's committed-step count as saved there."""
+        path = Path(checkpoint) / QUORUM_FILE
+        self.replicas.resume(json.loads(path.read_text()) if path.is_file() else None)
+
+
+def resume_node(trainer, checkpoint: str) -> None:
+    """Called when a fault-tolerant trainer resumes from ``checkpoint``, before its first quorum."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, NodePosition):
+            callback.resume(checkpoint)

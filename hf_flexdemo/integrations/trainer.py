@@ -12,7 +12,8 @@ T5-family models as averaging their own loss (see :func:`mark_mean_loss_model`),
 of transformers 5.x that scales T5's loss by processes and accumulation steps. Every
 Trainer also gets crash-safe checkpoints (:mod:`.checkpoints`): ``train`` resumes from the
 newest *complete* checkpoint for ``resume_from_checkpoint="auto"`` or ``True`` (and after an
-automatic restart), and a worker stops when its launcher dies (:mod:`hf_flexdemo.elastic`).
+automatic restart, or when an earlier run's checkpoints are in ``output_dir``), and a worker
+stops when its launcher dies (:mod:`hf_flexdemo.elastic`).
 """
 
 from __future__ import annotations
@@ -24,73 +25,56 @@ import types
 from typing import Any
 
 import transformers.trainer
-from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from .. import elastic
-from ..config import FlexDeMoConfig, parse_optim_args
-from ..optim import FlexDeMo
+from ..config import FlexDeMoConfig
+from ..optim import FlexDeMo, unwrap_flexdemo
 from ._patching import wrap_method
 from .callback import FlexDeMoCallback
 from .checkpoints import CheckpointCallback, resolve_resume, storage_errors
+from .training_args import OPTIM_NAME, describe, flexdemo_kwargs, is_flexdemo
+
+__all__ = [
+    "OPTIM_NAME",
+    "describe",
+    "flexdemo_kwargs",
+    "install",
+    "is_flexdemo",
+    "layout",
+    "mark_mean_loss_model",
+    "node_label",
+]
 
 logger = logging.getLogger(__name__)
 
-OPTIM_NAME = "flexdemo"
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 MEAN_LOSS_MODEL_TYPES = ("t5", "mt5", "umt5", "longt5", "switch_transformers")
 """Models whose forward takes ``**kwargs`` but averages its own loss, ignoring ``num_items_in_batch``."""
-FROM_TRAINING_ARGUMENTS = {
-    "lr": "--learning_rate",
-    "weight_decay": "--weight_decay",
-    "betas": "--adam_beta1 / --adam_beta2",
-    "eps": "--adam_epsilon",
-}
-
-
-def flexdemo_kwargs(args: TrainingArguments) -> dict[str, Any]:
-    """FlexDeMo's keyword arguments for ``args``; raises ValueError on bad ``optim_args``."""
-    overrides = parse_optim_args(args.optim_args)
-    for key, flag in FROM_TRAINING_ARGUMENTS.items():
-        if key in overrides:
-            raise ValueError(f"FlexDeMo optim_args: set {key!r} with the standard TrainingArguments flag {flag}.")
-    kwargs = {
-        "lr": args.learning_rate,
-        "weight_decay": args.weight_decay,
-        "betas": (args.adam_beta1, args.adam_beta2),
-        "eps": args.adam_epsilon,
-        **overrides,
-    }
-    FlexDeMoConfig(**kwargs)  # validate now, with the same messages as the optimizer
-    return kwargs
-
-
-def describe(args: TrainingArguments) -> str:
-    """One line naming the optimizer and its settings (for logs and model cards)."""
-    config = FlexDeMoConfig(**flexdemo_kwargs(args))
-    keys = ["scheme", "topk", "chunk", "decay", "sign", "decode", "value_dtype", "replicate_every"]
-    if config.scheme in ("random", "striding"):
-        keys += ["rate"]
-    if config.scheme == "diloco":
-        keys = ["scheme", "inner_steps", "outer_lr", "outer_momentum", "betas", "value_dtype"]
-    if config.scheme == "sparseloco":
-        keys = ["scheme", "inner_steps", "topk", "chunk", "outer_lr", "outer_momentum", "betas", "value_dtype"]
-    keys += [key for key in ("overlap", "value_bits", "pack_indices") if getattr(config, key)]
-    if config.rounding != "nearest":
-        keys.append("rounding")
-    return "FlexDeMo(" + ", ".join(f"{k}={getattr(config, k)!r}" for k in keys) + ")"
 
 
 def layout(trainer) -> str:
-    """``"2 nodes x 2 processes"`` from the trainer's Accelerate layout."""
+    """``"2 nodes x 2 processes"`` from the trainer's Accelerate layout, or the fault-tolerant job's nodes."""
+    identity = fault_tolerant_identity(trainer)
+    if identity is not None:  # each node is its own launch: the job has NUM_REPLICA_GROUPS of them
+        processes = f"{trainer.accelerator.num_processes} processes"
+        return f"{identity.replica_groups} nodes x {processes} (fault-tolerant; this is {node_label(trainer)})"
     config = getattr(trainer.accelerator, "parallelism_config", None)
     if config is None:
         return f"1 node x {trainer.accelerator.num_processes} processes"
     return f"{config.dp_replicate_size} nodes x {config.dp_shard_size} processes"
 
 
-def is_flexdemo(args: TrainingArguments) -> bool:
-    return str(getattr(args.optim, "value", args.optim)) == OPTIM_NAME
+def node_label(trainer) -> str:
+    """The node whose figures this process reports: ``"node 0"``, or this node in a fault-tolerant job."""
+    identity = fault_tolerant_identity(trainer)
+    return f"node {identity.replica_group if identity is not None else 0}"
+
+
+def fault_tolerant_identity(trainer):
+    """This node's :class:`~hf_flexdemo.fault_tolerance.NodeIdentity` under fault tolerance, else ``None``."""
+    replicas = getattr(unwrap_flexdemo(getattr(trainer, "optimizer", None)), "managed", None)
+    return replicas.identity if replicas is not None else None
 
 
 def _flexdemo_handler(ctx) -> tuple[type, dict[str, Any]]:
@@ -146,8 +130,14 @@ def _trainer_init(original, self, *args, **kwargs):
 
 
 def _trainer_train(original, self, resume_from_checkpoint=None, *args, **kwargs):
-    """Resume from the newest *complete* checkpoint (``"auto"``/``True``, or after an automatic restart)."""
-    resume = resolve_resume(self.args.output_dir, resume_from_checkpoint)  # also refuses an unwritable output_dir
+    """Resume from the newest *complete* checkpoint (``"auto"``/``True``, an automatic restart, or an earlier run's)."""
+    overwrite = getattr(self.args, "overwrite_output_dir", None)  # transformers 4.x only
+    # Also refuses an unwritable output_dir.
+    resume = resolve_resume(self.args.output_dir, resume_from_checkpoint, overwrite=overwrite)
+    if resume is not None and is_flexdemo(self.args) and FlexDeMoConfig(**flexdemo_kwargs(self.args)).fault_tolerant:
+        from .fault_tolerant_trainer import resume_node
+
+        resume_node(self, resume)
     with storage_errors(self.args.output_dir):
         return original(self, resume, *args, **kwargs)
 

@@ -4,7 +4,9 @@ Launched once per node by tests/test_fault_tolerance.py (`accelerate launch`, it
 session so that the test can SIGKILL the whole node). Writes, per process:
 
 - ``progress_rank<N>.jsonl``: one line per step (global step, committed steps, live replicas, time);
-- ``result_rank<N>.json`` at the end: losses, the checksum of the final parameter shards.
+- ``result_rank<N>.json`` at the end: losses, the checksum of the final parameter shards, the epoch;
+
+and the scripts' end-of-run summary (``training_scripts/script_utils.print_summary``).
 
 ``--kill_node_in_exchange_at N`` (test only): at the first step from N on whose quorum holds
 every node, this node SIGKILLs itself (launcher and every process) inside the step's
@@ -12,6 +14,8 @@ exchange, before its payload is out: the other nodes are in the collective waiti
 ``--corrupt_at N`` (test only): at step N this node changes one parameter entry on its own.
 ``--die_while_serving_after N`` (test only): from step N on, the first node asked for the
 live state by a healing peer dies right then.
+``--slow_while PATH`` (test only): each step takes a second more while PATH exists, so that
+a relaunched peer, however long it takes to start, finds this node still training.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+from script_utils import print_summary  # training_scripts/, on the workers' path
 from support.ft_nodes import kill_node
 from support.tiny_hf import dataset, tiny_model, tokenizer
 from transformers import (
@@ -48,11 +53,13 @@ class WorkerArgs:
     kill_node_in_exchange_at: int = 0
     die_while_serving_after: int = 0
     corrupt_at: int = 0
+    slow_while: str = ""
 
 
 class Progress(TrainerCallback):
-    def __init__(self, path: Path, delay: float, corrupt_at: int = 0):
+    def __init__(self, path: Path, delay: float, corrupt_at: int = 0, slow_while: str = ""):
         self.path, self.delay, self.corrupt_at = path, delay, corrupt_at
+        self.slow_while = Path(slow_while) if slow_while else None
 
     def on_optimizer_step(self, args, state, control, model=None, **kw):
         if self.corrupt_at and state.global_step + 1 >= self.corrupt_at:  # one bit of drift, behind the quorum's back
@@ -71,6 +78,8 @@ class Progress(TrainerCallback):
             f.write(json.dumps(line) + "\n")
         if self.delay:
             time.sleep(self.delay)
+        if self.slow_while is not None and self.slow_while.exists():
+            time.sleep(1.0)
 
 
 def kill_node_in_exchange(trainer: Trainer, at_step: int) -> None:
@@ -119,7 +128,8 @@ def main() -> None:
     out = Path(trainer.args.output_dir)  # <output_dir>/node<ID>
     out.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank()
-    trainer.add_callback(Progress(out / f"progress_rank{rank}.jsonl", worker.step_delay, worker.corrupt_at))
+    progress = Progress(out / f"progress_rank{rank}.jsonl", worker.step_delay, worker.corrupt_at, worker.slow_while)
+    trainer.add_callback(progress)
     if worker.kill_node_in_exchange_at:
         kill_node_in_exchange(trainer, worker.kill_node_in_exchange_at)
     if worker.die_while_serving_after:
@@ -131,8 +141,10 @@ def main() -> None:
         "fingerprint": int(parameter_fingerprint(params)),
         "global_step": trainer.state.global_step,
         "committed": unwrap_flexdemo(trainer.optimizer).managed.step,
+        "epoch": trainer.state.epoch,
     }
     (out / f"result_rank{rank}.json").write_text(json.dumps(result))
+    print_summary(trainer, {}, ())
 
 
 if __name__ == "__main__":

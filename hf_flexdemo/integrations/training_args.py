@@ -1,0 +1,73 @@
+"""FlexDeMo's settings read from ``TrainingArguments``: the one place the Trainer glue and the callback share.
+
+``optim="flexdemo"`` takes the standard flags (``--learning_rate``, ``--weight_decay``,
+``--adam_beta1/2`` and ``--adam_epsilon`` for DiLoCo's inner AdamW) plus ``optim_args`` for
+FlexDeMo's own settings. Both :mod:`.trainer` and :mod:`.callback` import from here, never
+from each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainingArguments
+
+from ..config import OWN_KEYS, FlexDeMoConfig, parse_optim_args
+
+OPTIM_NAME = "flexdemo"
+FROM_TRAINING_ARGUMENTS = {
+    "lr": "--learning_rate",
+    "weight_decay": "--weight_decay",
+    "betas": "--adam_beta1 / --adam_beta2",
+    "eps": "--adam_epsilon",
+}
+
+
+def is_flexdemo(args: TrainingArguments) -> bool:
+    return str(getattr(args.optim, "value", args.optim)) == OPTIM_NAME
+
+
+def flexdemo_kwargs(args: TrainingArguments) -> dict[str, Any]:
+    """FlexDeMo's keyword arguments for ``args``; raises ValueError on bad ``optim_args``."""
+    overrides = parse_optim_args(args.optim_args)
+    for key, flag in FROM_TRAINING_ARGUMENTS.items():
+        if key in overrides:
+            raise ValueError(f"FlexDeMo optim_args: set {key!r} with the standard TrainingArguments flag {flag}.")
+    kwargs = {
+        "lr": args.learning_rate,
+        "weight_decay": args.weight_decay,
+        "betas": (args.adam_beta1, args.adam_beta2),
+        "eps": args.adam_epsilon,
+        **overrides,
+    }
+    FlexDeMoConfig(**kwargs)  # validate now, with the same messages as the optimizer
+    return kwargs
+
+
+def describe(args: TrainingArguments) -> str:
+    """One line naming the optimizer and its settings (for logs and model cards)."""
+    config = FlexDeMoConfig(**flexdemo_kwargs(args))
+    keys = ["scheme", "topk", "chunk", "decay", "sign", "update", "decode", "value_dtype", "replicate_every"]
+    if config.scheme in ("random", "striding"):
+        keys += ["rate"]
+    if config.scheme == "diloco":
+        keys = ["scheme", "inner_steps", "outer_lr", "outer_momentum", "betas", "value_dtype"]
+    if config.scheme == "sparseloco":
+        keys = ["scheme", "inner_steps", "topk", "chunk", "outer_lr", "outer_momentum", "betas", "value_dtype"]
+    keys += [key for key in ("overlap", "value_bits", "pack_indices") if getattr(config, key)]
+    if config.rounding != "nearest":
+        keys.append("rounding")
+    return "FlexDeMo(" + ", ".join(f"{k}={getattr(config, k)!r}" for k in keys) + ")"
+
+
+def refuse_flexdemo_args_for_other_optimizers(args: TrainingArguments) -> None:
+    """``--optim adamw_torch --optim_args topk=32`` would train AdamW and drop the FlexDeMo settings."""
+    text = args.optim_args or ""
+    keys = {item.partition("=")[0].strip() for item in text.split(",")}
+    own = sorted(keys & set(OWN_KEYS))
+    if own:
+        optim = getattr(args.optim, "value", args.optim)
+        raise ValueError(
+            f"optim_args={text!r} sets FlexDeMo's {own}, but optim={optim!r} would ignore them. "
+            f"Write --optim flexdemo to train with FlexDeMo, or drop {own} from --optim_args."
+        )
