@@ -19,6 +19,14 @@ the fastest of the configuration's runs) plus the bytes at the rate: `t = comput
 OLMo2 trains on ``--offline_text stdlib`` (4.6x the preset's text), so that 250 steps are about
 two epochs rather than twelve.
 
+``--model olmo2_ft`` is fine-tuning: an OLMo2 base model is pretrained once with AdamW-HSDP on
+the standard library's docstrings (``<out>/base``, saved in the Hub's format, seed 0), and every
+run fine-tunes it on the documentation's prose through the stock script
+(``--model_name_or_path <out>/base --no_from_config --offline_text pydoc``)::
+
+    .venv/bin/python benchmarks/quality_study.py --model olmo2_ft --steps 100 --seeds 0 1 2 \
+        --out benchmarks/results/quality_olmo2_ft
+
 Writes ``<out>/runs.json`` (every run, resumable: finished runs are not repeated), and with
 ``--report`` the markdown table and ``loss_vs_steps.png``, ``loss_vs_time_100mbit.png``,
 ``loss_vs_time_1gbit.png``.
@@ -104,32 +112,61 @@ SWEEPS = {
         "diloco": (1e-3, 2e-3),
         "sparseloco": (2e-3, 4e-3),
     },
+    # Fine-tuning takes smaller steps than pretraining: every configuration swept from 2.5e-4 up.
+    "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3) for name in CONFIGS},
 }
 
 
-def run(model: str, name: str, lr: float, seed: int, steps: int, work: Path, batch: int) -> dict:
+# model: (script, its flags); "{base}" is the study's pretrained base model (olmo2_ft).
+PRESETS = {
+    "olmo2": ("train_olmo2.py", ["--offline_text", "stdlib"]),  # 4.6x the text: 250 steps are 2 epochs, not 12
+    "t5": ("train_t5.py", []),
+    "olmo2_ft": (
+        "train_olmo2.py",
+        ["--offline_text", "pydoc", "--model_name_or_path", "{base}", "--no_from_config"],
+    ),
+}
+BASE_MODEL = ["--offline_text", "docstrings", "--optim", "adamw_torch", "--learning_rate", "4e-3"]
+BASE_MODEL += ["--max_steps", "300", "--warmup_steps", "15", "--seed", "0", "--save_strategy", "no"]
+"""olmo2_ft's base: AdamW-HSDP on the standard library's docstrings (its best pretraining rate on OLMo2)."""
+
+
+def launch(script: str, args: list[str], out: Path) -> None:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG)]
+    cmd += [str(ROOT / "training_scripts" / script), "--preset", "offline", "--output_dir", str(out), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{out.name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+
+
+def base_model(study_dir: Path) -> Path:
+    """The pretrained base model that olmo2_ft fine-tunes, trained once per study directory."""
+    base = study_dir / "base"
+    if not (base / "model.safetensors").exists():
+        print(f"pretraining the base model into {base}", flush=True)
+        launch("train_olmo2.py", [*BASE_MODEL, "--report_to", "none"], base)
+    return base
+
+
+def run(model: str, name: str, lr: float, seed: int, steps: int, work: Path, batch: int, base: Path | None) -> dict:
     optim, optim_args = CONFIGS[name]
     out = work / f"{model}_{name}_lr{lr:g}_s{seed}"
     eval_every = max(steps // 10, 1)
+    script, flags = PRESETS[model]
     args = [
-        "--preset", "offline", "--output_dir", str(out), "--max_steps", str(steps), "--seed", str(seed),
+        "--max_steps", str(steps), "--seed", str(seed),
         "--learning_rate", str(lr), "--optim", optim, "--logging_steps", str(eval_every),
         "--eval_strategy", "steps", "--eval_steps", str(eval_every), "--save_strategy", "no",
         "--report_to", "none", "--warmup_steps", str(steps // 20), "--max_eval_samples", "128",
     ]  # fmt: skip
-    if model == "olmo2":
-        args += ["--offline_text", "stdlib"]  # 4.6x the text: 250 steps are 2 epochs, not 12
+    args += [flag.format(base=base) for flag in flags]
     if batch:
         args += ["--per_device_train_batch_size", str(batch)]
     if optim_args:
         args += ["--optim_args", optim_args]
-    script = ROOT / "training_scripts" / f"train_{model}.py"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), str(script), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     started = time.time()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{out.name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    launch(script, args, out)
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h and h["step"] <= steps]
     logged = [h for h in history if "flexdemo/bytes_sent" in h]
@@ -156,7 +193,7 @@ class Runs:
         self.path = path
         self.items = json.loads(path.read_text()) if path.exists() else []
 
-    def get(self, model, name, lr, seed, steps, work, batch) -> dict:
+    def get(self, model, name, lr, seed, steps, work, batch, base=None) -> dict:
         for item in self.items:
             if (item["model"], item["config"], item["lr"], item["seed"], item["steps"]) == (
                 model,
@@ -166,7 +203,7 @@ class Runs:
                 steps,
             ):
                 return item
-        item = run(model, name, lr, seed, steps, work, batch)
+        item = run(model, name, lr, seed, steps, work, batch, base)
         self.items.append(item)
         self.path.write_text(json.dumps(self.items, indent=1))
         print(f"{model} {name} lr={lr:g} seed={seed}: eval loss {item['final_eval_loss']:.4f}", flush=True)
@@ -176,13 +213,14 @@ class Runs:
 def study(args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     runs = Runs(args.out / "runs.json")
+    base = base_model(args.out) if "{base}" in PRESETS[args.model][1] else None
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
             rates = args.rates.get(name, SWEEPS[args.model][name])
-            swept = [runs.get(args.model, name, lr, 0, args.steps, Path(tmp), args.batch) for lr in rates]
+            swept = [runs.get(args.model, name, lr, 0, args.steps, Path(tmp), args.batch, base) for lr in rates]
             best = min(swept, key=lambda r: r["final_eval_loss"] if math.isfinite(r["final_eval_loss"]) else math.inf)
             for seed in args.seeds:
-                runs.get(args.model, name, best["lr"], seed, args.steps, Path(tmp), args.batch)
+                runs.get(args.model, name, best["lr"], seed, args.steps, Path(tmp), args.batch, base)
 
 
 def summarize(items: list[dict]) -> dict[str, dict]:
@@ -287,7 +325,7 @@ def report(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("olmo2", "t5"), default="olmo2")
+    parser.add_argument("--model", choices=tuple(PRESETS), default="olmo2")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, help="per process (default: the preset's, 8 for OLMo2, 16 for T5)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

@@ -27,7 +27,7 @@ def test_stdlib_docstrings_give_several_times_the_text_in_a_fixed_order():
 def test_an_unknown_offline_text_is_refused_naming_the_choices():
     from train_olmo2 import Olmo2Arguments, load_texts
 
-    with pytest.raises(ValueError, match="--offline_text='wiki' is invalid; choose 'pydoc' or 'stdlib'"):
+    with pytest.raises(ValueError, match="--offline_text='wiki' is invalid; choose one of 'pydoc', 'stdlib', "):
         load_texts(Olmo2Arguments(preset="offline", offline_text="wiki"), seed=0)
 
 

@@ -9,7 +9,7 @@ from support.launch import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
-from quality_study import CONFIGS, SWEEPS, modelled_step, summarize  # noqa: E402
+from quality_study import CONFIGS, PRESETS, SWEEPS, modelled_step, summarize  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -44,7 +44,26 @@ def test_a_row_holds_the_seeds_at_the_rate_that_won_on_seed_0():
     assert modelled_step(demo, "100mbit") == pytest.approx(0.5 + 8 * 40 / 100e6)
 
 
-def test_every_configuration_has_a_sweep_on_both_presets():
-    for model in ("olmo2", "t5"):
+def test_every_configuration_has_a_sweep_on_every_preset():
+    assert set(SWEEPS) == set(PRESETS)
+    for model in PRESETS:
         assert set(SWEEPS[model]) == set(CONFIGS), model
         assert all(rates and rates == tuple(sorted(rates)) for rates in SWEEPS[model].values())
+
+
+def test_fine_tuning_runs_start_from_the_study_base_model(tmp_path, monkeypatch):
+    import quality_study
+
+    launched = []
+    monkeypatch.setattr(quality_study, "launch", lambda script, args, out: launched.append((script, args, out)))
+    base = quality_study.base_model(tmp_path)
+    assert base == tmp_path / "base" and "docstrings" in launched[0][1] and "adamw_torch" in launched[0][1]
+    (base / "model.safetensors").parent.mkdir(parents=True)
+    (base / "model.safetensors").write_bytes(b"")
+    assert quality_study.base_model(tmp_path) == base and len(launched) == 1  # pretrained once per study
+    with pytest.raises(FileNotFoundError):  # the launch was faked: no trainer_state.json
+        quality_study.run("olmo2_ft", "demo_adam", 1e-3, 0, 10, tmp_path, 0, base)
+    script, args, _ = launched[-1]
+    assert script == "train_olmo2.py"
+    assert args[args.index("--model_name_or_path") + 1] == str(base) and "--no_from_config" in args
+    assert args[args.index("--optim_args") + 1] == "update=adam"

@@ -64,6 +64,9 @@ def runs(tmp_path_factory):
         out["vit_files"] = hub.files("test-user/vit-flexdemo")
     olmo2 = script_command("train_olmo2.py", root / "olmo2", "--max_train_samples", "400")
     out["olmo2"] = run_checked(olmo2, timeout=900, env=env)
+    # Fine-tuning: the model that run saved (Hub format) trains on other text through the same script.
+    tune = ["--model_name_or_path", str(root / "olmo2"), "--no_from_config", "--offline_text", "docstrings"]
+    out["olmo2_ft"] = run_checked(script_command("train_olmo2.py", root / "olmo2_ft", *tune), timeout=900, env=env)
     out["root"] = root
     return out
 
@@ -73,7 +76,7 @@ def logged_losses(output_dir: Path) -> list[float]:
     return [h["loss"] for h in state["log_history"] if "loss" in h]
 
 
-@pytest.mark.parametrize("name", ["t5", "vit", "olmo2"])
+@pytest.mark.parametrize("name", ["t5", "vit", "olmo2", "olmo2_ft"])
 def test_loss_goes_down_and_a_checkpoint_is_written(runs, name):
     output_dir = runs["root"] / name
     losses = logged_losses(output_dir)
@@ -150,3 +153,10 @@ def test_the_token_never_appears_in_output_or_files(runs):
             assert TOKEN.encode() not in path.read_bytes(), path
     for content in runs["t5_files"].values():
         assert TOKEN.encode() not in content
+
+
+def test_fine_tuning_starts_from_the_saved_model_and_its_tokenizer(runs):
+    base, tuned = runs["root"] / "olmo2", runs["root"] / "olmo2_ft"
+    assert (tuned / "tokenizer.json").read_text() == (base / "tokenizer.json").read_text()
+    # From the trained weights, not a fresh model: the first loss is below the base run's first loss.
+    assert logged_losses(tuned)[0] < logged_losses(base)[0] - 0.3, (logged_losses(base), logged_losses(tuned))

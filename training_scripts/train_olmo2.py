@@ -12,9 +12,17 @@
         training_scripts/train_olmo2.py --optim_args "topk=32,chunk=64" --bf16
     # Continued training of the released checkpoint instead:  add --no_from_config
 
+    # Fine-tuning offline: a model saved by an offline run (Hub format), trained on other text:
+    accelerate launch --config_file accelerate_configs/cpu_2x2.yaml training_scripts/train_olmo2.py \
+        --preset offline --offline_text docstrings --optim adamw_torch --output_dir outputs/olmo2-base
+    accelerate launch --config_file accelerate_configs/cpu_2x2.yaml training_scripts/train_olmo2.py \
+        --preset offline --model_name_or_path outputs/olmo2-base --no_from_config --offline_text pydoc
+
 Every `TrainingArguments` flag works; `--optim flexdemo` is the default. The offline preset
 trains a tiny OLMo2 built from a config, with a byte-level BPE trained on the spot, on the
-English text of Python's documentation. Perplexity is exp(validation loss).
+English text of Python's documentation; with ``--no_from_config`` it loads the model and
+tokenizer from ``--model_name_or_path`` (a folder or a Hub id) instead. Perplexity is
+exp(validation loss).
 """
 
 from __future__ import annotations
@@ -61,8 +69,9 @@ class Olmo2Arguments(ScriptArguments):
     offline_text: str = dataclasses.field(
         default="pydoc",
         metadata={
-            "help": "offline: 'pydoc' (Python's documentation topics, 1,900 paragraphs) or 'stdlib' (those and "
-            "the standard library's docstrings, 4.6x the text: for runs of more than a few epochs' worth of steps)."
+            "help": "offline: 'pydoc' (Python's documentation topics, 1,900 paragraphs), 'stdlib' (those and "
+            "the standard library's docstrings, 4.6x the text: for runs of more than a few epochs' worth of steps) "
+            "or 'docstrings' (the docstrings alone: a base model to fine-tune on 'pydoc')."
         },
     )
 
@@ -85,9 +94,14 @@ PRESETS = {
 def load_texts(args: Olmo2Arguments, seed: int):
     """(train, validation) datasets with one "text" column."""
     if args.offline:
-        texts = {"pydoc": english_paragraphs, "stdlib": lambda: english_paragraphs() + stdlib_docstrings()}
+        texts = {
+            "pydoc": english_paragraphs,
+            "stdlib": lambda: english_paragraphs() + stdlib_docstrings(),
+            "docstrings": stdlib_docstrings,
+        }
         if args.offline_text not in texts:
-            raise ValueError(f"--offline_text={args.offline_text!r} is invalid; choose 'pydoc' or 'stdlib'.")
+            choices = ", ".join(repr(name) for name in texts)
+            raise ValueError(f"--offline_text={args.offline_text!r} is invalid; choose one of {choices}.")
         return split(Dataset.from_dict({"text": texts[args.offline_text]()}), 0.1, seed)
     raw = load_dataset(args.dataset_name, args.dataset_config_name)
     if "validation" not in raw:
@@ -96,7 +110,7 @@ def load_texts(args: Olmo2Arguments, seed: int):
 
 
 def build_model_and_tokenizer(args: Olmo2Arguments, train: Dataset, training_args: TrainingArguments):
-    if args.offline:
+    if args.offline and args.from_config:
         tokenizer = shared_tokenizer(lambda: bpe_tokenizer(list(train["text"]), args.vocab_size), training_args)
         config = Olmo2Config(
             vocab_size=len(tokenizer),
@@ -148,7 +162,12 @@ def main() -> None:
             processing_class=tokenizer,
             data_collator=default_data_collator,
         )
-    dataset = "the English text of Python's documentation (pydoc_data)" if args.offline else args.dataset_name
+    offline_texts = {
+        "pydoc": "the English text of Python's documentation (pydoc_data)",
+        "stdlib": "the English text of Python's documentation and the standard library's docstrings",
+        "docstrings": "the standard library's docstrings",
+    }
+    dataset = offline_texts.get(args.offline_text) if args.offline else args.dataset_name
     trainer.card_info = card_info(
         args,
         "an OLMo2 causal language model" + (" pretrained from its config" if args.from_config else ""),

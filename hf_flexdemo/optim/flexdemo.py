@@ -17,7 +17,6 @@ The replication step is pluggable (:mod:`hf_flexdemo.schemes`: ``demo``, ``rando
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,16 +37,16 @@ from ..topology import (
     parameter_fingerprint,
     replica_fingerprints,
 )
-from ..updates import UpdateRule, build_rules
+from ..updates import UpdateRule, build_rules, with_elementwise_groups
 from ..wire import (
     CommStats,
     Exchange,
-    all_gather_bytes,
     all_gather_packed,
     all_reduce_mean_packed,
     nbytes,
-    ring_all_reduce_bytes,
 )
+from .counters import ByteCounters
+from .replica_state import ReplicaState, restore
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +67,7 @@ class _InFlight:
     """Fault tolerance: what the step changed before its exchange, restored if the node does not commit."""
 
 
-COUNTERS = "comm_bytes"
-"""Per-rank int64 pair kept in each parameter's state: bytes this process put on the inter-node
-link, and what a dense ring all-reduce of its gradients would have put there."""
-
-
-class FlexDeMo(torch.optim.Optimizer):
+class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
     """Decoupled momentum optimizer that replicates compressed momentum across nodes.
 
     Args:
@@ -160,7 +154,7 @@ class FlexDeMo(torch.optim.Optimizer):
             ft_timeout=ft_timeout,
             quorum_timeout=quorum_timeout,
         )
-        super().__init__(_split_elementwise(params, elementwise), self.config.group_defaults())
+        super().__init__(with_elementwise_groups(params, elementwise), self.config.group_defaults())
         self.scheme = build_scheme(self.config)
         self.rules = build_rules(self.config)
         self._topology: ReplicaTopology | None = None
@@ -353,7 +347,7 @@ class FlexDeMo(torch.optim.Optimizer):
     def _finish(self, job: _InFlight) -> None:
         received, stats = job.exchange.wait()
         if job.undo is not None and not self._managed.commit():
-            _restore(job.undo)  # the step did not happen, on this node or any other
+            restore(job.undo)  # the step did not happen, on this node or any other
             return
         decoded = [self.scheme.apply(slot, part, job.ctx) for slot, part in zip(job.slots, self._split(received, job))]
         self._apply_rules([d for d in decoded if d is not None], job.ctx)
@@ -369,18 +363,6 @@ class FlexDeMo(torch.optim.Optimizer):
             by_rule.setdefault(item.slot.group["update"], []).append(item)
         for name, items in by_rule.items():
             self.rules[name].apply(items, ctx)
-
-    def _snapshot(self, slots: list[ParamSlot], undo_step: bool) -> list:
-        """Copies of what a step changes before its exchange, to undo it: the step count, the state the
-        scheme's local maths changes, and the parameters where weight decay or local steps move them."""
-        keys = self.scheme.local_keys
-        saved = []
-        for slot in slots:
-            tensors = {k: local_tensor(slot.state.raw[k]).clone() for k in keys if k in slot.state.raw}
-            tensors["step"] = slot.state.raw["step"] - (1 if undo_step else 0)  # the count already moved on
-            moved = self.scheme.moves_parameters_locally or slot.group["weight_decay"] != 0
-            saved.append((slot, slot.param.clone() if moved else None, tensors))
-        return saved
 
     def _needs_sync(self, slots: list[ParamSlot]) -> bool:
         return self.scheme.needs_sync(slots[0].state, int(slots[0].state.raw["step"]))
@@ -488,50 +470,6 @@ class FlexDeMo(torch.optim.Optimizer):
             return [[replica[a:b] for replica in received] for a, b in job.bounds]
         return [received[a:b] for a, b in job.bounds]
 
-    # -- counters ----------------------------------------------------------------------
-
-    def _count(self, job: _InFlight, stats: CommStats) -> None:
-        """Add the step's bytes on the host; they reach the state tensors at the next read or save.
-
-        Counted per step with that step's number of replicas (a quorum's size can change).
-        """
-        dense, replicas = 0, job.ctx.replicas
-        for slot, payload, seen in zip(job.slots, job.payloads, job.grad_bytes):
-            slot.state.counters(COUNTERS, 2)  # created with the rest of the state, for checkpoints
-            sent = self._wire_bytes(sum(nbytes(t) for t in payload), replicas) if job.ctx.replicate else 0
-            pending = self._uncounted.setdefault(slot.state.param, [0, 0])
-            pending[0] += sent
-            pending[1] += ring_all_reduce_bytes(seen, replicas)
-            dense += seen
-        stats.dense_bytes = ring_all_reduce_bytes(dense, replicas)
-        self.last_step_stats = stats
-
-    def _flush_counters(self) -> None:
-        for param, (sent, seen) in self._uncounted.items():
-            counters = self.state[param][COUNTERS]
-            local_tensor(counters).add_(torch.tensor([sent, seen], dtype=torch.int64).to(counters.device))
-        self._uncounted.clear()
-
-    @property
-    def total_stats(self) -> CommStats:
-        """Cumulative inter-node bytes of this process (restored with the optimizer state)."""
-        self._flush_counters()
-        moved = dense = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if COUNTERS in self.state.get(p, {}):
-                    sent_p, dense_p = (int(x) for x in local_tensor(self.state[p][COUNTERS]).reshape(2).tolist())
-                    moved += sent_p
-                    dense += dense_p
-        return CommStats(bytes_sent=moved, bytes_received=moved, dense_bytes=dense)
-
-    def _wire_bytes(self, payload: int, replicas: int) -> int:
-        if replicas == 1 or self.scheme.collective is Collective.NONE:
-            return 0
-        if self.scheme.collective is Collective.ALL_GATHER:
-            return all_gather_bytes(payload, replicas)
-        return ring_all_reduce_bytes(payload, replicas)
-
     # -- replicas ----------------------------------------------------------------------
 
     def replica_fingerprints(self) -> list[int]:
@@ -544,56 +482,6 @@ class FlexDeMo(torch.optim.Optimizer):
         if self._managed is not None:
             return self._managed.fingerprints_of_leaders(parameter_fingerprint(params))
         return replica_fingerprints(params, self.topology)
-
-    # -- fault tolerance: what a healing node copies -------------------------------------
-
-    def _ordered_params(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-
-    def replica_state(self) -> dict[str, Any]:
-        """Copies of what must be equal on every replica: parameters, step counts, the scheme's shared state,
-        and the groups' hyperparameters (the lr a scheduler has set)."""
-        keep = ("step", *self.scheme.shared_keys, *(key for rule in self.rules.values() for key in rule.state_keys))
-        return {
-            "groups": [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups],
-            "params": [local_tensor(p).detach().clone() for p in self._ordered_params()],
-            "state": [
-                {k: local_tensor(v).clone() for k, v in self.state.get(p, {}).items() if k in keep}
-                for p in self._ordered_params()
-            ],
-        }
-
-    @torch.no_grad()
-    def load_replica_state(self, peer: dict[str, Any]) -> None:
-        """Take a peer's parameters and shared state; this replica's own momentum stays (see fault_tolerance)."""
-        self._pending = None
-        if self._store is None:  # not attached yet: each node keeps its own state layout
-            self._set_topology(ReplicaTopology.single())
-        for group, saved in zip(self.param_groups, peer["groups"]):
-            group.update(saved)
-        for p, value, state in zip(self._ordered_params(), peer["params"], peer["state"]):
-            local_tensor(p).data.copy_(value)
-            mine = StateView(self._store, p, local_tensor(p), self.state[p])
-            for key, peer_value in state.items():
-                if key in self.state[p]:
-                    local_tensor(self.state[p][key]).copy_(peer_value)
-                elif peer_value.shape == local_tensor(p).shape:  # laid out like the parameter
-                    mine.shared(key, lambda v=peer_value: v.clone())
-                else:  # a count
-                    self.state[p][key] = peer_value.clone()
-            self.scheme.healed(local_tensor(p), mine)
-        self._verify_state = True
-
-    def _describe_layout(self) -> dict[str, Any]:
-        """Settings and shapes every node must share, compared when a node first meets the others."""
-        local_only = ("ft_timeout", "quorum_timeout")
-        settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in local_only}
-        return {
-            "settings": settings,
-            "parameter_shapes": [tuple(p.shape) for p in self._ordered_params()],
-            "local_shapes": [tuple(local_tensor(p).shape) for p in self._ordered_params()],
-            "processes_per_node": dist.get_world_size() if dist.is_initialized() else 1,
-        }
 
     @property
     def replicas_should_match(self) -> bool:
@@ -627,31 +515,6 @@ class FlexDeMo(torch.optim.Optimizer):
                 current = self.state[p].get(key)
                 if torch.is_tensor(value) and torch.is_tensor(current) and value.dtype != current.dtype:
                     self.state[p][key] = value.to(device=current.device, copy=True)
-
-
-def _split_elementwise(params, elementwise: Iterable[torch.Tensor]) -> list[dict[str, Any]]:
-    """Parameter groups with the ``elementwise`` parameters moved to groups of their own with ``update='sign'``."""
-    groups = list(params)
-    if groups and not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    marked = {id(p) for p in elementwise}
-    if not marked:
-        return groups
-    split = []
-    for group in groups:
-        params = list(group["params"])
-        split.append({**group, "params": [p for p in params if id(p) not in marked]})
-        split.append({**group, "params": [p for p in params if id(p) in marked], "update": "sign"})
-    return [group for group in split if group["params"]]
-
-
-def _restore(saved: list) -> None:
-    for slot, param, tensors in saved:
-        if param is not None:
-            slot.param.copy_(param)
-        for key, value in tensors.items():
-            local_tensor(slot.state.raw[key]).copy_(value)
-        slot.carried = None
 
 
 def unwrap_flexdemo(optimizer) -> FlexDeMo | None:

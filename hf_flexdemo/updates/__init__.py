@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..config import FlexDeMoConfig
 from .adaptive import AdaptiveRule
 from .base import Decoded, UpdateRule
-from .orthogonal import OrthogonalRule, elementwise_parameters, newton_schulz
+from .orthogonal import OrthogonalRule, elementwise_parameters, newton_schulz, with_elementwise_groups
 from .sign import SignRule
 
 RULE_CLASSES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (SignRule, AdaptiveRule, OrthogonalRule)}
@@ -40,4 +40,5 @@ __all__ = [
     "build_rules",
     "elementwise_parameters",
     "newton_schulz",
+    "with_elementwise_groups",
 ]

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,6 +71,22 @@ def elementwise_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     heads += [getattr(model, name) for name in HEAD_NAMES if isinstance(getattr(model, name, None), torch.nn.Linear)]
     unique = {id(p): p for module in heads for p in module.parameters()}
     return list(unique.values())
+
+
+def with_elementwise_groups(params, elementwise: Iterable[torch.Tensor]) -> list[dict[str, Any]]:
+    """Parameter groups with the ``elementwise`` parameters moved to groups of their own with ``update='sign'``."""
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    marked = {id(p) for p in elementwise}
+    if not marked:
+        return groups
+    split = []
+    for group in groups:
+        params = list(group["params"])
+        split.append({**group, "params": [p for p in params if id(p) not in marked]})
+        split.append({**group, "params": [p for p in params if id(p) in marked], "update": "sign"})
+    return [group for group in split if group["params"]]
 
 
 def _row_shards(param: torch.Tensor) -> tuple[dist.ProcessGroup, int, int] | None:

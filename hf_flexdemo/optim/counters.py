@@ -1,0 +1,68 @@
+"""Inter-node byte counters: what each process put on the link, and what a dense all-reduce would have.
+
+Kept per parameter in the optimizer state (so a checkpoint restores them) and added on the
+host between reads, so that counting costs no host synchronisation per step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..dtensor_utils import local_tensor
+from ..schemes import Collective
+from ..wire import CommStats, all_gather_bytes, nbytes, ring_all_reduce_bytes
+
+if TYPE_CHECKING:
+    from .flexdemo import _InFlight
+
+COUNTERS = "comm_bytes"
+"""Per-rank int64 pair kept in each parameter's state: bytes this process put on the inter-node
+link, and what a dense ring all-reduce of its gradients would have put there."""
+
+
+class ByteCounters:
+    """FlexDeMo's counters (a mixin: it reads the optimizer's scheme, state and groups)."""
+
+    def _count(self, job: _InFlight, stats: CommStats) -> None:
+        """Add the step's bytes on the host; they reach the state tensors at the next read or save.
+
+        Counted per step with that step's number of replicas (a quorum's size can change).
+        """
+        dense, replicas = 0, job.ctx.replicas
+        for slot, payload, seen in zip(job.slots, job.payloads, job.grad_bytes):
+            slot.state.counters(COUNTERS, 2)  # created with the rest of the state, for checkpoints
+            sent = self._wire_bytes(sum(nbytes(t) for t in payload), replicas) if job.ctx.replicate else 0
+            pending = self._uncounted.setdefault(slot.state.param, [0, 0])
+            pending[0] += sent
+            pending[1] += ring_all_reduce_bytes(seen, replicas)
+            dense += seen
+        stats.dense_bytes = ring_all_reduce_bytes(dense, replicas)
+        self.last_step_stats = stats
+
+    def _flush_counters(self) -> None:
+        for param, (sent, seen) in self._uncounted.items():
+            counters = self.state[param][COUNTERS]
+            local_tensor(counters).add_(torch.tensor([sent, seen], dtype=torch.int64).to(counters.device))
+        self._uncounted.clear()
+
+    @property
+    def total_stats(self) -> CommStats:
+        """Cumulative inter-node bytes of this process (restored with the optimizer state)."""
+        self._flush_counters()
+        moved = dense = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if COUNTERS in self.state.get(p, {}):
+                    sent_p, dense_p = (int(x) for x in local_tensor(self.state[p][COUNTERS]).reshape(2).tolist())
+                    moved += sent_p
+                    dense += dense_p
+        return CommStats(bytes_sent=moved, bytes_received=moved, dense_bytes=dense)
+
+    def _wire_bytes(self, payload: int, replicas: int) -> int:
+        if replicas == 1 or self.scheme.collective is Collective.NONE:
+            return 0
+        if self.scheme.collective is Collective.ALL_GATHER:
+            return all_gather_bytes(payload, replicas)
+        return ring_all_reduce_bytes(payload, replicas)
