@@ -30,6 +30,7 @@ from transformers.training_args import OptimizerNames
 from .. import elastic
 from ..config import FlexDeMoConfig
 from ..optim import FlexDeMo, unwrap_flexdemo
+from ..updates import elementwise_parameters
 from ._patching import wrap_method
 from .callback import FlexDeMoCallback
 from .checkpoints import CheckpointCallback, resolve_resume, storage_errors
@@ -80,6 +81,8 @@ def fault_tolerant_identity(trainer):
 def _flexdemo_handler(ctx) -> tuple[type, dict[str, Any]]:
     kwargs = flexdemo_kwargs(ctx.args)
     kwargs.pop("weight_decay")  # the Trainer passes it per parameter group
+    if kwargs.get("update") == "orthogonal" and ctx.model is not None:
+        kwargs["elementwise"] = elementwise_parameters(ctx.model)  # embeddings and heads keep the sign rule
     return FlexDeMo, kwargs
 
 
