@@ -83,6 +83,23 @@ def flexdemo_llama_trainer(tok, tmp_path, rows: int, **overrides) -> Trainer:
 
 
 @pytest.mark.lowest
+def test_orthogonal_update_keeps_embeddings_and_head_on_sign(tok, tmp_path):
+    rule = "topk=8,chunk=16,update=orthogonal"
+    trainer = flexdemo_llama_trainer(tok, tmp_path, rows=64, max_steps=8, logging_steps=1, optim_args=rule)
+    trainer.train()
+    opt, model = trainer.optimizer.optimizer, trainer.model
+    by_rule = {
+        rule: {id(p) for g in opt.param_groups if g["update"] == rule for p in g["params"]}
+        for rule in ("sign", "orthogonal")
+    }
+    assert {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)} <= by_rule["sign"]
+    matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) in by_rule["orthogonal"]]
+    assert len(matrices) >= 4 and not by_rule["sign"] & by_rule["orthogonal"]  # attention and MLP weights
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert sum(losses[-2:]) < sum(losses[:2]), losses
+
+
+@pytest.mark.lowest
 def test_single_process_trainer_trains_with_flexdemo(tok, tmp_path):
     trainer = flexdemo_llama_trainer(tok, tmp_path, rows=64, max_steps=12, logging_steps=1, save_strategy="no")
     trainer.train()
