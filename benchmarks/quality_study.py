@@ -75,6 +75,7 @@ CONFIGS = {
             ("full", "scheme=full"),
             ("demo_2bit", "value_bits=2,pack_indices=true"),
             ("demo_top64_2bit", "topk=64,value_bits=2,pack_indices=true"),
+            ("demo_top16_2bit", "topk=16,value_bits=2,pack_indices=true"),
             ("demo_aggressive", "topk=4,chunk=64,value_bits=1,pack_indices=true"),
         )
         for rule, full in (("adam", "adam"), ("ortho", "orthogonal"))

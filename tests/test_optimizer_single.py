@@ -41,18 +41,24 @@ def grads_for(step, params):
 @pytest.mark.parametrize("scheme", ["demo", "random", "striding", "full", "none", "diloco"])
 @pytest.mark.parametrize("sign", [False, True])
 def test_one_replica_matches_the_reference(scheme, sign):
+    params, _, ref = run_with_reference(scheme=scheme, sign=sign)
+    for p, q in zip(params, ref.params[0]):
+        torch.testing.assert_close(p.detach(), q, atol=1e-12, rtol=0)
+
+
+def run_with_reference(steps: int = 12, **hp):
+    """One replica of FlexDeMo and of the reference, stepped on the same gradients: (params, opt, ref)."""
     params = make_params()
-    hp = {**SMALL, "scheme": scheme, "sign": sign}
+    hp = {**SMALL, **hp}
     ref = FlexDeMoReference([p.detach() for p in params], replicas=1, **hp)
     opt = FlexDeMo(params, **hp)
-    for step in range(12):
+    for step in range(steps):
         grads = grads_for(step, params)
         for p, g in zip(params, grads):
             p.grad = g.clone()
         opt.step()
         ref.step([grads])
-    for p, q in zip(params, ref.params[0]):
-        torch.testing.assert_close(p.detach(), q, atol=1e-12, rtol=0)
+    return params, opt, ref
 
 
 def train(opt, params, steps, first=0):
@@ -237,13 +243,13 @@ class _HostSyncCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("scheme", ["demo", "random", "striding", "full", "diloco", "none"])
-def test_a_step_reads_back_a_bounded_number_of_values_whatever_the_parameter_count(scheme):
+def assert_host_syncs_bounded(**hp) -> FlexDeMo:
+    """Steps with 3 and with 30 parameters read back as many values, at most 2 per step; returns the last optimizer."""
     counts = {}
     for n in (3, 30):
         params = [torch.nn.Parameter(torch.randn(16, 8)) for _ in range(n)]
-        opt = FlexDeMo(params, **{**SMALL, "scheme": scheme})
-        for step in range(4):
+        opt = FlexDeMo(params, **{**SMALL, **hp})
+        for _ in range(4):
             for p in params:
                 p.grad = torch.randn_like(p)
             with _HostSyncCounter() as counter:
@@ -251,6 +257,12 @@ def test_a_step_reads_back_a_bounded_number_of_values_whatever_the_parameter_cou
             counts.setdefault(n, []).append(counter.count)
     # The first step checks the layout (once per parameter); later steps read back the step count only.
     assert counts[3][1:] == counts[30][1:] and max(counts[30][1:]) <= 2, counts
+    return opt
+
+
+@pytest.mark.parametrize("scheme", ["demo", "random", "striding", "full", "diloco", "none"])
+def test_a_step_reads_back_a_bounded_number_of_values_whatever_the_parameter_count(scheme):
+    opt = assert_host_syncs_bounded(scheme=scheme)
     opt.state_dict()  # bytes counted on the host reach the state when it is read
     assert opt.total_stats.dense_bytes == 0  # one replica: nothing would cross nodes
 

@@ -6,10 +6,9 @@ import copy
 
 import pytest
 import torch
-from test_optimizer_single import SMALL, _HostSyncCounter, grads_for, make_params, train
+from test_optimizer_single import SMALL, assert_host_syncs_bounded, make_params, run_with_reference, train
 
 from hf_flexdemo import FlexDeMo, FlexDeMoConfig
-from hf_flexdemo.optim.flexdemo_reference import FlexDeMoReference
 from hf_flexdemo.updates import elementwise_parameters, newton_schulz
 
 pytestmark = pytest.mark.unit
@@ -22,23 +21,15 @@ COMBINATIONS += [("demo", "adam_every2")]
 
 @pytest.mark.parametrize(("scheme", "update"), COMBINATIONS)
 def test_one_replica_matches_the_reference(scheme, update):
-    params = make_params()
-    hp = {**SMALL, "scheme": scheme, "update": update}
+    hp = {"scheme": scheme, "update": update}
     if update == "adam_every2":  # bias correction counts replications
         hp.update(update="adam", replicate_every=2)
-    ref = FlexDeMoReference([p.detach() for p in params], replicas=1, **hp)
-    opt = FlexDeMo(params, **hp)
-    for step in range(12):
-        grads = grads_for(step, params)
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        opt.step()
-        ref.step([grads])
+    params, opt, ref = run_with_reference(**hp)
     # Newton-Schulz runs in float32 in both: float32's precision bounds the difference there.
     atol = 1e-6 if update == "orthogonal" else 1e-12
     for p, q in zip(params, ref.params[0]):
         torch.testing.assert_close(p.detach(), q, atol=atol, rtol=0)
-    if hp["update"] == "adam":
+    if opt.config.update == "adam":
         for p, v in zip(params, ref.second[0]):
             torch.testing.assert_close(opt.state[p]["update_sq"], v, atol=1e-12, rtol=1e-12)
 
@@ -124,17 +115,7 @@ def test_zero_gradient_step_with_zero_lr_changes_nothing():
 
 @pytest.mark.parametrize("update", RULES)
 def test_a_step_reads_back_a_bounded_number_of_values(update):
-    counts = {}
-    for n in (3, 30):
-        params = [torch.nn.Parameter(torch.randn(16, 8)) for _ in range(n)]
-        opt = FlexDeMo(params, **{**SMALL, "update": update})
-        for _ in range(4):
-            for p in params:
-                p.grad = torch.randn_like(p)
-            with _HostSyncCounter() as counter:
-                opt.step()
-            counts.setdefault(n, []).append(counter.count)
-    assert counts[3][1:] == counts[30][1:] and max(counts[30][1:]) <= 2, counts
+    assert_host_syncs_bounded(update=update)
 
 
 class TinyLM(torch.nn.Module):
