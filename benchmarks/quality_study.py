@@ -266,9 +266,28 @@ def summarize(items: list[dict]) -> dict[str, dict]:
     return table
 
 
+RULES_PLOT = ("adamw_hsdp", "demo", "full")
+"""Besides the update-rule configurations, what their plots (``<model>_rules_*.png``) compare against."""
+
+
 def modelled_step(row: dict, rate: str) -> float:
     """Seconds a step would take on a link of ``rate``: its compute plus its bytes at the rate."""
     return row["step_s"] + 8 * row.get("bytes_per_step", 0) / RATES[rate]
+
+
+def mean_curve(row: dict) -> list[tuple[int, float]]:
+    """(step, validation loss averaged over the row's seeds) at every evaluation."""
+    curves = [r["eval_curve"] for r in row["runs"]]
+    return [(step, statistics.mean(c[i][1] for c in curves)) for i, (step, _) in enumerate(curves[0])]
+
+
+def time_to_baseline(row: dict, baseline: dict, rate: str = "100mbit") -> float | None:
+    """Modelled time to reach the baseline's final loss (mean curves), as a fraction of the baseline's
+    whole run at ``rate``; None if the configuration never reaches it. Resolution: the evaluations."""
+    target_step, target = mean_curve(baseline)[-1]
+    whole = target_step * modelled_step(baseline, rate)
+    reached = next((step for step, loss in mean_curve(row) if loss <= target), None)
+    return None if reached is None else reached * modelled_step(row, rate) / whole
 
 
 def report(out: Path) -> None:
@@ -285,10 +304,12 @@ def report(out: Path) -> None:
         extra = " BLEU | chrF |" if scored else ""
         lines += [
             f"| {model} | lr (of those swept) | seeds | final val. loss (mean +- half-range) | vs AdamW-HSDP |{extra} "
-            "bytes/step (node 0) | x fewer than dense | compute/step (s) | modelled s/step at 100 Mbit/s, 1 Gbit/s |",
-            "| --- " * (9 + 2 * scored) + "|",
+            "bytes/step (node 0) | x fewer than dense | compute/step (s) | modelled s/step at 100 Mbit/s, 1 Gbit/s "
+            "| time to AdamW-HSDP's final loss at 100 Mbit/s (x its time) |",
+            "| --- " * (10 + 2 * scored) + "|",
         ]  # fmt: skip
         for name, row in rows.items():
+            reach = time_to_baseline(row, rows["adamw_hsdp"]) if "adamw_hsdp" in rows else None
             swept = ", ".join(f"{lr:g}" for lr in row["swept"])
             scores = "".join(f" {row[s][0]:.2f} +- {row[s][1]:.2f} |" for s in ("bleu", "chrf")) if scored else ""
             lines.append(
@@ -296,23 +317,22 @@ def report(out: Path) -> None:
                 f"| {row['loss_mean']:.4f} +- {row['loss_spread']:.4f} "
                 f"| {row.get('vs_adamw', float('nan')):+.1%} |{scores} {row.get('bytes_per_step', float('nan')):,.0f} "
                 f"| {row.get('ratio_to_dense', float('nan')):.0f} | {row['step_s']:.3f} "
-                f"| {modelled_step(row, '100mbit'):.3f}, {modelled_step(row, '1gbit'):.3f} |"
+                f"| {modelled_step(row, '100mbit'):.3f}, {modelled_step(row, '1gbit'):.3f} "
+                f"| {'not reached' if reach is None else f'{reach:.2f}'} |"
             )
         lines.append("")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     for model in sorted({m for m, _ in table}):
-        rows = {name: row for (m, name), row in table.items() if m == model}
-        for axis in ("steps", *RATES):
+        every = {name: row for (m, name), row in table.items() if m == model}
+        rules = {name: row for name, row in every.items() if name in RULES_PLOT or name.endswith(("_adam", "_ortho"))}
+        for prefix, rows, axis in [(model, every, a) for a in ("steps", *RATES)] + [
+            (f"{model}_rules", rules, a) for a in ("steps", *RATES)
+        ]:
             fig, ax = plt.subplots(figsize=(8, 5))
             for index, (name, row) in enumerate(rows.items()):
-                curves = [r["eval_curve"] for r in row["runs"]]
-                steps = [s for s, _ in curves[0]]
-                mean = [statistics.mean(c[i][1] for c in curves) for i in range(len(steps))]
-                if axis == "steps":
-                    xs = steps
-                else:
-                    xs = [s * modelled_step(row, axis) for s in steps]
+                steps, mean = zip(*mean_curve(row))
+                xs = steps if axis == "steps" else [s * modelled_step(row, axis) for s in steps]
                 style = "-" if index < 10 else "--"  # the default cycle has ten colours
                 ax.plot(xs, mean, style, label=name, linewidth=2.5 if name == "adamw_hsdp" else 1.5)
             ax.set_xlabel("step" if axis == "steps" else f"modelled wall-clock at {axis} (s)")
@@ -320,7 +340,7 @@ def report(out: Path) -> None:
             ax.set_title(f"{model}, offline preset, 2 nodes x 2 processes")
             ax.legend(fontsize=8)
             fig.tight_layout()
-            fig.savefig(out / f"{model}_loss_vs_{'steps' if axis == 'steps' else 'time_' + axis}.png", dpi=110)
+            fig.savefig(out / f"{prefix}_loss_vs_{'steps' if axis == 'steps' else 'time_' + axis}.png", dpi=110)
             plt.close(fig)
 
 

@@ -67,3 +67,16 @@ def test_fine_tuning_runs_start_from_the_study_base_model(tmp_path, monkeypatch)
     assert script == "train_olmo2.py"
     assert args[args.index("--model_name_or_path") + 1] == str(base) and "--no_from_config" in args
     assert args[args.index("--optim_args") + 1] == "update=adam"
+
+
+def test_time_to_the_baselines_final_loss_counts_the_modelled_time_of_the_first_evaluation_there():
+    from quality_study import time_to_baseline
+
+    def row(curve, step_s, sent):
+        return {"runs": [{"eval_curve": curve}], "step_s": step_s, "bytes_per_step": sent}
+
+    adamw = row([(10, 5.0), (20, 4.0)], step_s=1.0, sent=12.5e6)  # 1 s compute + 1 s of bytes at 100 Mbit/s
+    fast = row([(10, 3.9), (20, 3.5)], step_s=1.0, sent=0)
+    assert time_to_baseline(fast, adamw) == pytest.approx(10 * 1.0 / (20 * 2.0))
+    assert time_to_baseline(row([(10, 4.5), (20, 4.1)], 1.0, 0), adamw) is None
+    assert time_to_baseline(adamw, adamw) == pytest.approx(1.0)
