@@ -6,8 +6,9 @@ Uncaught in a job of N processes, Python would print it N times, each inside a t
 of some forty lines. :func:`install` (run by ``import hf_flexdemo``) wraps
 ``sys.excepthook`` so that such an error prints its message once, on the first process of
 each launch (``LOCAL_RANK`` 0, so every machine's log says why it stopped), and the other
-processes exit quietly, a few seconds later under torchelastic (whose agent stops all
-workers at the first exit: the one that speaks must not be stopped before it has). The exit
+processes exit quietly. Under torchelastic they wait first: its agent stops every worker at
+the first exit, and the one that speaks must not be stopped before it has; one that is still
+running after 30 s (its first process was not refused) says the message itself. The exit
 code stays 1: Python sets it after the hook.
 
 Every other uncaught error keeps its traceback, and ``HF_FLEXDEMO_TRACEBACK=1`` gives the
@@ -24,7 +25,7 @@ from types import TracebackType
 
 TRACEBACK_ENV = "HF_FLEXDEMO_TRACEBACK"
 _PACKAGE = __name__.partition(".")[0]
-_QUIET_EXIT_DELAY_S = 5.0
+_QUIET_EXIT_DELAY_S = 30.0
 
 
 def is_refusal(error: BaseException) -> bool:
@@ -60,11 +61,17 @@ class _RefusalHook:
         if _wants_traceback() or not is_refusal(error):
             self.previous(kind, error, tb)
         elif _first_process_of_launch():
-            print(f"hf_flexdemo refused this run: {error}\n({TRACEBACK_ENV}=1 shows the traceback.)", file=sys.stderr)
-            sys.stderr.flush()
+            _say(error, "")
         elif "TORCHELASTIC_RUN_ID" in os.environ:
             # The launcher stops every worker when the first one exits: let the one that speaks exit first.
             time.sleep(_QUIET_EXIT_DELAY_S)
+            # Still running: the first process did not stop (it was not refused), so this one speaks.
+            _say(error, f" on rank {os.environ.get('RANK', '?')}")
+
+
+def _say(error: BaseException, where: str) -> None:
+    print(f"hf_flexdemo refused this run{where}: {error}\n({TRACEBACK_ENV}=1 shows the traceback.)", file=sys.stderr)
+    sys.stderr.flush()
 
 
 _INSTALLED = False

@@ -1,6 +1,7 @@
 """An uncaught refusal prints its message once, without a traceback; every other error keeps its traceback.
+Also the refusals that read only the launcher's environment.
 
-The launch under `accelerate launch` is in tests/test_refusal_launches.py.
+The launches under `accelerate launch` are in tests/test_refusal_launches.py.
 """
 
 from __future__ import annotations
@@ -43,3 +44,16 @@ def test_other_processes_of_a_launch_exit_quietly_with_the_same_code():
 def test_a_value_error_raised_outside_hf_flexdemo_keeps_its_traceback():
     proc = run("import hf_flexdemo; int('x')")
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "refused" not in proc.stderr, proc.stderr
+
+
+def test_nodes_launched_with_different_numbers_of_processes_are_refused_on_every_node(monkeypatch):
+    # Machine 0 with 2 processes, machine 1 with 1: WORLD_SIZE=3 divides evenly by machine 1's 1.
+    from hf_flexdemo.integrations.accelerate_plugin import default_layout
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="WORLD_SIZE=3 processes on GROUP_WORLD_SIZE=2 nodes.*same --num_processes"):
+        default_layout()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert default_layout() == (2, 1)

@@ -100,12 +100,18 @@ def default_layout() -> tuple[int, int]:
     """(nodes, processes per node) of this launch."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    same = "FlexDeMo needs the same number of processes on every node. Launch each node with the same "
+    same += "--num_processes / --nproc-per-node."
     if world % local:
+        raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}: {same}")
+    # torchelastic's node count: a node with fewer processes than the others may divide the world evenly.
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "0")) or world // local
+    if nodes * local != world:
         raise ValueError(
-            f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}: FlexDeMo needs the same number "
-            "of processes on every node. Launch each node with the same --num_processes / --nproc-per-node."
+            f"WORLD_SIZE={world} processes on GROUP_WORLD_SIZE={nodes} nodes, but LOCAL_WORLD_SIZE={local} on this "
+            f"one: {same}"
         )
-    return world // local, local
+    return nodes, local
 
 
 def _ensure_layout(accelerator: Accelerator) -> ParallelismConfig:
