@@ -78,7 +78,11 @@ CONFIGS = {
             ("demo_top16_2bit", "topk=16,value_bits=2,pack_indices=true"),
             ("demo_aggressive", "topk=4,chunk=64,value_bits=1,pack_indices=true"),
         )
-        for rule, full in (("adam", "adam"), ("ortho", "orthogonal"))
+        for rule, full in (
+            ("adam", "adam"),
+            ("ortho", "orthogonal"),
+            ("ortho_adam", "orthogonal,elementwise_update=adam"),
+        )
     },
     "sparseloco": ("flexdemo", "scheme=sparseloco,inner_steps=20,topk=64,value_bits=2,pack_indices=true"),
 }

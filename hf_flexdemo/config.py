@@ -65,6 +65,13 @@ class FlexDeMoConfig:
             "other tensors take 'sign'). Per-step schemes only."
         },
     )
+    elementwise_update: str = field(
+        default="sign",
+        metadata={
+            "help": "update='orthogonal': the rule of what it does not orthogonalize (norms, biases, embeddings, "
+            "heads), 'sign' or 'adam' (as Muon leaves them to AdamW)."
+        },
+    )
     decode: str = field(
         default="selected",
         metadata={"help": "demo: average a coefficient over the replicas that sent it ('selected') or all ('mean')."},
@@ -151,6 +158,13 @@ class FlexDeMoConfig:
         validate_group(dataclasses.asdict(self), scheme=self.scheme)
         _check_choice("scheme", self.scheme, SCHEMES)
         _check_choice("decode", self.decode, DECODE_MODES)
+        _check_choice("elementwise_update", self.elementwise_update, ("sign", "adam"))
+        if self.elementwise_update != "sign" and self.update != "orthogonal":
+            raise ValueError(
+                f"FlexDeMo: elementwise_update={self.elementwise_update!r} applies to update='orthogonal' (the rule "
+                f"of the tensors it does not orthogonalize), not update={self.update!r}; drop elementwise_update, "
+                "or set update='orthogonal'."
+            )
         _check_choice("value_dtype", self.value_dtype, tuple(VALUE_DTYPES))
         _check_int("replicate_every", self.replicate_every, low=1)
         if self.replicate_every != 1 and self.scheme not in PER_STEP_SCHEMES:
@@ -320,7 +334,8 @@ def validate_group(group: dict[str, Any], scheme: str) -> None:
     _check_choice("update", update, UPDATE_RULES)
     if update != "sign":
         _check_update_rule(update, group["sign"], scheme)
-    if scheme not in OUTER_STEP_SCHEMES and update != "adam":
+    uses_adam = update == "adam" or (update == "orthogonal" and group.get("elementwise_update") == "adam")
+    if scheme not in OUTER_STEP_SCHEMES and not uses_adam:
         return
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):

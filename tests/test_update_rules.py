@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 RULES = ("adam", "orthogonal")
 # Orthogonal needs whole matrices: random and striding send scattered entries (refused).
 COMBINATIONS = [(scheme, update) for scheme in ("demo", "full", "none") for update in RULES]
-COMBINATIONS += [("demo", "adam_every2")]
+COMBINATIONS += [("demo", "adam_every2"), ("demo", "orthogonal_adam")]
 
 
 @pytest.mark.parametrize(("scheme", "update"), COMBINATIONS)
@@ -24,14 +24,17 @@ def test_one_replica_matches_the_reference(scheme, update):
     hp = {"scheme": scheme, "update": update}
     if update == "adam_every2":  # bias correction counts replications
         hp.update(update="adam", replicate_every=2)
+    if update == "orthogonal_adam":  # the tensors it does not orthogonalize take adam
+        hp.update(update="orthogonal", elementwise_update="adam")
     params, opt, ref = run_with_reference(**hp)
     # Newton-Schulz runs in float32 in both: float32's precision bounds the difference there.
-    atol = 1e-6 if update == "orthogonal" else 1e-12
+    atol = 1e-6 if update.startswith("orthogonal") else 1e-12
     for p, q in zip(params, ref.params[0]):
         torch.testing.assert_close(p.detach(), q, atol=atol, rtol=0)
-    if opt.config.update == "adam":
+    if "adam" in (opt.config.update, opt.config.elementwise_update):
         for p, v in zip(params, ref.second[0]):
-            torch.testing.assert_close(opt.state[p]["update_sq"], v, atol=1e-12, rtol=1e-12)
+            mine = opt.state[p].get("update_sq", torch.zeros_like(v))  # orthogonalized matrices keep none
+            torch.testing.assert_close(mine, v, atol=1e-12, rtol=1e-12)
 
 
 def test_rules_take_different_steps_from_the_same_update():
@@ -133,10 +136,11 @@ def test_embeddings_and_heads_keep_the_sign_rule_under_orthogonal():
     model = TinyLM()
     kept = elementwise_parameters(model)
     assert {id(p) for p in kept} == {id(model.embed.weight), id(model.lm_head.weight), id(model.lm_head.bias)}
-    opt = FlexDeMo(model.parameters(), update="orthogonal", elementwise=kept)
-    by_rule = {group["update"]: {id(p) for p in group["params"]} for group in opt.param_groups}
-    assert by_rule["sign"] == {id(p) for p in kept}
-    assert by_rule["orthogonal"] == {id(model.hidden.weight), id(model.hidden.bias)}
+    for elementwise_update in ("sign", "adam"):
+        opt = FlexDeMo(model.parameters(), update="orthogonal", elementwise=kept, elementwise_update=elementwise_update)
+        by_rule = {group["update"]: {id(p) for p in group["params"]} for group in opt.param_groups}
+        assert by_rule[elementwise_update] == {id(p) for p in kept}
+        assert by_rule["orthogonal"] == {id(model.hidden.weight), id(model.hidden.bias)}
 
 
 REFUSED = [
@@ -146,6 +150,9 @@ REFUSED = [
     (dict(update="orthogonal", scheme="random"), "scattered subset", "scheme='demo' or 'full'"),
     (dict(update="adam", scheme="striding"), "scattered subset", "update='sign' with striding"),
     (dict(update="adam", sign=False), "sign=False", "drop sign=False"),
+    (dict(elementwise_update="adam"), "elementwise_update='adam' applies to update='orthogonal'", "drop"),
+    (dict(update="orthogonal", elementwise_update="lion"), "elementwise_update='lion'", "'sign', 'adam'"),
+    (dict(update="orthogonal", elementwise_update="adam", betas=(0.9, 1.5)), "betas[1]=1.5", "[0.0, 1.0)"),
     (dict(update="adam", betas=(0.9, 1.0)), "betas[1]=1.0", "[0.0, 1.0)"),
     (dict(update="adam", eps=0.0), "eps=0.0", "(0.0, inf)"),
 ]

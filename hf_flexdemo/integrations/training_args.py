@@ -48,6 +48,8 @@ def describe(args: TrainingArguments) -> str:
     """One line naming the optimizer and its settings (for logs and model cards)."""
     config = FlexDeMoConfig(**flexdemo_kwargs(args))
     keys = ["scheme", "topk", "chunk", "decay", "sign", "update", "decode", "value_dtype", "replicate_every"]
+    if config.update == "orthogonal":
+        keys.insert(keys.index("update") + 1, "elementwise_update")
     if config.scheme in ("random", "striding"):
         keys += ["rate"]
     if config.scheme == "diloco":

@@ -79,7 +79,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             process; with Accelerate or the Trainer, ``hf_flexdemo`` attaches it.
         replicate_dim: the mesh dimension that spans the nodes (default: ``dp_replicate``
             or ``replicate``, whichever the mesh has).
-        elementwise: parameters that take ``update='sign'`` whatever their group says: the
+        elementwise: parameters that take ``elementwise_update`` whatever their group says: the
             embeddings and output heads under ``update='orthogonal'`` (the Trainer passes them).
 
     The other arguments are described in :class:`hf_flexdemo.FlexDeMoConfig`.
@@ -101,6 +101,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         sign: bool = True,
         *,
         update: str = "sign",
+        elementwise_update: str = "sign",
         decode: str = "selected",
         value_dtype: str = "param",
         scheme: str = "demo",
@@ -133,6 +134,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             chunk=chunk,
             sign=sign,
             update=update,
+            elementwise_update=elementwise_update,
             decode=decode,
             value_dtype=value_dtype,
             scheme=scheme,
@@ -154,7 +156,8 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             ft_timeout=ft_timeout,
             quorum_timeout=quorum_timeout,
         )
-        super().__init__(with_elementwise_groups(params, elementwise), self.config.group_defaults())
+        elementwise_groups = with_elementwise_groups(params, elementwise, self.config.elementwise_update)
+        super().__init__(elementwise_groups, self.config.group_defaults())
         self.scheme = build_scheme(self.config)
         self.rules = build_rules(self.config)
         self._topology: ReplicaTopology | None = None

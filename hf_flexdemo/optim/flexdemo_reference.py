@@ -73,6 +73,7 @@ class FlexDeMoReference:
             "chunk": 64,
             "sign": True,
             "update": "sign",
+            "elementwise_update": "sign",
             "decode": "selected",
             "scheme": "demo",
             "replicate_every": 1,
@@ -124,7 +125,10 @@ class FlexDeMoReference:
         flat = p.reshape(-1)
         at = torch.arange(flat.numel()) if where is None else where
         u = update.reshape(-1)
-        if hp["update"] == "adam":
+        rule = hp["update"]
+        if rule == "orthogonal" and p.dim() != 2:  # what it does not orthogonalize
+            rule = hp["elementwise_update"]
+        if rule == "adam":
             if hp["lr"] == 0:
                 return
             g = u / hp["lr"]
@@ -134,7 +138,7 @@ class FlexDeMoReference:
             for j in range(flat.numel()):
                 v[j] = beta2 * v[j] + (1 - beta2) * g[j] ** 2
                 flat[j] -= hp["lr"] * g[j] / ((v[j] / (1 - beta2**t)).sqrt() + hp["eps"])
-        elif hp["update"] == "orthogonal" and p.dim() == 2:
+        elif rule == "orthogonal":
             whole, start = self.gather_rows(update.reshape(p.shape))
             ortho = _newton_schulz(whole) * math.sqrt(max(whole.shape))
             p -= hp["lr"] * ortho[start : start + p.shape[0]].to(p.dtype)

@@ -8,9 +8,10 @@ sharded case). For a 2-D parameter with decoded update ``U`` (``rows x cols``)::
 
 The factor makes the step's root mean square about 1 per entry, the size of a sign step, so
 a learning rate tuned for ``sign`` is the right order here. Tensors that are not 2-D (norms,
-biases, convolution kernels) take the sign rule; embeddings and output heads should too, and
-the Trainer integration puts them in a group with ``update='sign'`` (a plain-PyTorch user
-passes such a group).
+biases, convolution kernels) take the element-wise rule ``elementwise_update`` (``sign``, or
+``adam`` as Muon leaves them to AdamW); embeddings and output heads should too, and the
+Trainer integration puts them in groups of their own with that rule (a plain-PyTorch user
+passes ``elementwise=`` or such a group).
 
 Under FSDP2 each process holds a row shard of the matrix. The shards of every matrix of the
 step are gathered in one all-gather over the node's own processes (the fast link, never the
@@ -33,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..config import FlexDeMoConfig
 from ..schemes.base import StepContext
 from ..topology import all_gather_single
+from .adaptive import AdaptiveRule
 from .base import Decoded, UpdateRule
 from .sign import SignRule
 
@@ -60,7 +62,7 @@ HEAD_NAMES = ("lm_head", "classifier", "score")
 
 
 def elementwise_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Embedding tables and output heads: matrices that orthogonalizing would hurt, kept on ``sign``.
+    """Embedding tables and output heads: matrices that orthogonalizing would hurt (the element-wise rule's).
 
     An embedding row moves only when its token occurs, and a head's rows are per class: neither
     is a linear map whose singular values mean anything (Muon leaves them to an element-wise rule).
@@ -73,8 +75,8 @@ def elementwise_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list(unique.values())
 
 
-def with_elementwise_groups(params, elementwise: Iterable[torch.Tensor]) -> list[dict[str, Any]]:
-    """Parameter groups with the ``elementwise`` parameters moved to groups of their own with ``update='sign'``."""
+def with_elementwise_groups(params, elementwise: Iterable[torch.Tensor], update: str = "sign") -> list[dict[str, Any]]:
+    """Parameter groups with the ``elementwise`` parameters moved to groups of their own with rule ``update``."""
     groups = list(params)
     if groups and not isinstance(groups[0], dict):
         groups = [{"params": groups}]
@@ -85,7 +87,7 @@ def with_elementwise_groups(params, elementwise: Iterable[torch.Tensor]) -> list
     for group in groups:
         params = list(group["params"])
         split.append({**group, "params": [p for p in params if id(p) not in marked]})
-        split.append({**group, "params": [p for p in params if id(p) in marked], "update": "sign"})
+        split.append({**group, "params": [p for p in params if id(p) in marked], "update": update})
     return [group for group in split if group["params"]]
 
 
@@ -108,7 +110,12 @@ class OrthogonalRule(UpdateRule):
 
     def __init__(self, config: FlexDeMoConfig):
         super().__init__(config)
-        self.elementwise = SignRule(config)
+        self.elementwise = (AdaptiveRule if config.elementwise_update == "adam" else SignRule)(config)
+        self.state_keys = self.elementwise.state_keys
+
+    def init_state(self, slot) -> None:
+        if slot.state.param.dim() != 2:
+            self.elementwise.init_state(slot)
 
     @staticmethod
     def is_matrix(item: Decoded) -> bool:

@@ -44,6 +44,7 @@ VARIANTS = {  # wire formats of the top-k schemes, run like the schemes
     "demo_ortho": dict(scheme="demo", update="orthogonal"),
     "full_ortho": dict(scheme="full", update="orthogonal"),
     "full_adam": dict(scheme="full", update="adam"),
+    "demo_ortho_adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam"),
 }
 SMALL = dict(topk=4, chunk=8, rate=0.25, inner_steps=5)
 
@@ -125,6 +126,7 @@ def check_oracle(mesh, coords) -> dict:
         "full_adam": dict(scheme="full", update="adam"),
         "demo_ortho": dict(scheme="demo", update="orthogonal"),
         "full_ortho": dict(scheme="full", update="orthogonal"),
+        "demo_ortho_adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam"),
     }
     group = mesh["replicate"].get_group()
     replicas = mesh["replicate"].size()
@@ -159,8 +161,9 @@ def check_oracle(mesh, coords) -> dict:
             theirs = [m1 for m1, _ in ref.adam[coords[0]]] + list(ref.anchor)
         else:
             ours, theirs = [spatial_momentum(opt, p, hp) for p in params], ref.momenta[coords[0]]
-        if hp.get("update") == "adam":  # and the rule's second moment
-            ours += [StateStore.local(opt.state[p]["update_sq"], local_tensor(p)) for p in params]
+        if "adam" in (hp.get("update"), hp.get("elementwise_update")):  # and the rule's second moment
+            kept = [opt.state[p].get("update_sq", torch.zeros_like(local_tensor(p))) for p in params]
+            ours += [StateStore.local(v, local_tensor(p)) for v, p in zip(kept, params)]  # matrices keep none
             theirs = list(theirs) + ref.second[coords[0]]
         result["state_err"] = max((a - b).abs().max().item() if b.numel() else 0.0 for a, b in zip(ours, theirs))
         out[name] = result
