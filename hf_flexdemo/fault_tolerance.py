@@ -179,6 +179,8 @@ class ManagedReplicas:
         self._quorum = QuorumWatch(self.manager)
         self._undone = 0  # steps undone on this node since the quorum last changed
         self._resumed = False  # whether this node continues from a checkpoint
+        self._job: LighthouseView | None = None  # the job as the Lighthouse saw it before this node joined
+        self._settled = False  # whether this node has committed a step (then it holds the job's state)
         logger.info(
             "FlexDeMo fault tolerance: %s (rank %d of %d) joined the Lighthouse at %s; min_replicas=%d.",
             self.identity.name,
@@ -243,8 +245,8 @@ class ManagedReplicas:
         if self._round_open:
             return False
         self._healed = False
-        first = not self._met
-        before = read_lighthouse(self.identity.lighthouse) if first and self._rank == 0 else None
+        if not self._met and self._rank == 0:
+            self._job = read_lighthouse(self.identity.lighthouse)
         previous = self._quorum.members
         done = threading.Event()
         watcher = threading.Thread(target=self._say_while_waiting, args=(done,), daemon=True)
@@ -282,8 +284,8 @@ class ManagedReplicas:
                 error.original_exception,
             )
         self._say_quorum_change(previous)
-        if first:
-            self._check_job_state(before)
+        if not self._settled:  # also after a failed first heal: the nodes it was to heal from may leave
+            self._check_job_state(self._job)
         if self._healed:
             # At step 0 every node takes the first node's initial parameters: nothing was lost.
             say = logger.warning if self.manager.current_step() > 0 and self._rank == 0 else logger.info
@@ -322,7 +324,7 @@ class ManagedReplicas:
         )
 
     def _check_job_state(self, before: LighthouseView | None) -> None:
-        """At the first quorum: a node must not quietly start over a job whose state left with its nodes.
+        """Until its first commit, a node must not quietly start over a job whose state left with its nodes.
 
         ``before`` is the Lighthouse's view before this node joined (read on rank 0, which decides
         for the node). The quorum's committed steps (this node's after healing) below the last
@@ -378,6 +380,7 @@ class ManagedReplicas:
         committed = self.manager.should_commit()
         if committed:
             self._uncommitted = 0
+            self._settled = True
             return True
         self._uncommitted += 1
         self._undone += 1

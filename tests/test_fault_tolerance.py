@@ -8,6 +8,7 @@ group SIGKILLed (launcher and workers), as when a machine disappears.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -22,6 +23,7 @@ from support.launch import child_env
 from hf_flexdemo import FlexDeMo
 from hf_flexdemo.config import FlexDeMoConfig
 from hf_flexdemo.fault_tolerance import NodeIdentity
+from hf_flexdemo.integrations.checkpoints import MARKER
 from hf_flexdemo.lighthouse import LighthouseView, job_state_verdict, read_lighthouse
 from hf_flexdemo.topology import ReplicaTopology
 
@@ -179,15 +181,19 @@ def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(lighthouse, tm
 def test_a_node_dying_while_it_serves_recovery_does_not_take_the_healing_node_down(lighthouse, tmp_path):
     """Node 2 starts late; the first of nodes 0 and 1 it asks for the live state dies; it heals from the other."""
     flags = [*TINY, "--max_steps", "150", "--step_delay", "0.1", *ft_args()]
-    serve_and_die = ("--die_while_serving_after", "5")
+    slow = tmp_path / "slow_until_node2_trains"  # however long node 2 takes to start, the others still train
+    serve_and_die = ("--die_while_serving_after", "5", "--slow_while", str(slow))
     nodes = nodes_of(3, lighthouse, tmp_path, *flags, processes=1, extra={0: serve_and_die, 1: serve_and_die})
     nodes[0].start()
     nodes[1].start()
     wait_until(lambda: min(nodes[0].step(), nodes[1].step()) >= 6, 180, "nodes 0 and 1 to train")
+    slow.touch()
     nodes[2].start()
     wait_until(lambda: any(n.proc.poll() is not None for n in nodes[:2]), 120, "the serving node to die")
     served = next(n for n in nodes[:2] if n.proc.poll() is not None)
     survivor = nodes[1 - served.index]
+    wait_until(lambda: nodes[2].step() > 0, 120, "node 2 to train")
+    slow.unlink()
     finish([survivor, nodes[2]])
     assert served.proc.returncode != 0
     assert survivor.result(0)["fingerprint"] == nodes[2].result(0)["fingerprint"]
@@ -267,6 +273,26 @@ def test_a_lost_lighthouse_stops_the_nodes_with_its_address(lighthouse, tmp_path
     for node in nodes:
         assert node.wait(120) != 0
         assert lighthouse.address in node.log()
+
+
+@pytest.mark.faults
+def test_a_node_relaunched_alone_resumes_its_checkpoint_with_its_committed_steps(lighthouse, tmp_path):
+    """Lost past checkpoint-5, the node relaunched alone resumes it, its committed steps too, and says it is behind."""
+    flags = [*TINY, "--max_steps", "12", "--step_delay", "0.2", "--save_strategy", "steps", "--save_steps", "5"]
+    node = nodes_of(1, lighthouse, tmp_path, *flags, *ft_args(), processes=1)[0]
+    node.start()
+    wait_until(lambda: node.step() >= 7, 180, "the node to pass checkpoint-5")
+    node.kill()
+    checkpoint = node.dir / "checkpoint-5"
+    assert "flexdemo_quorum.json" in (checkpoint / MARKER).read_text()  # inside the marker
+    saved = json.loads((checkpoint / "flexdemo_quorum.json").read_text())["step"]
+    node.start()  # the same command
+    finish([node])
+    log = node.log()
+    assert f"Resuming from {checkpoint}, the newest complete checkpoint of an earlier run" in log, log[-6000:]
+    behind = rf"resumes from its checkpoint at {saved} committed steps, behind the \d+ of the job's last quorum"
+    assert re.search(behind, log), log[-6000:]
+    assert node.result(0)["global_step"] == 12 and node.result(0)["committed"] >= saved + 7
 
 
 @pytest.mark.faults

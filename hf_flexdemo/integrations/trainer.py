@@ -58,12 +58,16 @@ def layout(trainer) -> str:
     """``"2 nodes x 2 processes"`` from the trainer's Accelerate layout, or the fault-tolerant job's nodes."""
     identity = fault_tolerant_identity(trainer)
     if identity is not None:  # each node is its own launch: the job has NUM_REPLICA_GROUPS of them
-        processes = f"{trainer.accelerator.num_processes} processes"
-        return f"{identity.replica_groups} nodes x {processes} (fault-tolerant; this is {node_label(trainer)})"
+        nodes = f"{_count(identity.replica_groups, 'node')} x {_count(trainer.accelerator.num_processes, 'process')}"
+        return f"{nodes} (fault-tolerant; this is {node_label(trainer)})"
     config = getattr(trainer.accelerator, "parallelism_config", None)
     if config is None:
-        return f"1 node x {trainer.accelerator.num_processes} processes"
-    return f"{config.dp_replicate_size} nodes x {config.dp_shard_size} processes"
+        return f"1 node x {_count(trainer.accelerator.num_processes, 'process')}"
+    return f"{_count(config.dp_replicate_size, 'node')} x {_count(config.dp_shard_size, 'process')}"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}{'es' if noun.endswith('s') else 's'}"
 
 
 def node_label(trainer) -> str:
