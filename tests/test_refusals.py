@@ -57,3 +57,16 @@ def test_nodes_launched_with_different_numbers_of_processes_are_refused_on_every
         default_layout()
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert default_layout() == (2, 1)
+
+
+@pytest.mark.parametrize("value,write", [("shard_grad_op", "fsdp_reshard_after_forward: false"), ("no_shard", "true")])
+def test_an_fsdp1_reshard_value_under_fsdp2_is_refused_with_its_fsdp2_spelling(monkeypatch, value, write):
+    # What `accelerate launch` passes for `fsdp_reshard_after_forward: SHARD_GRAD_OP` in the YAML.
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    import hf_flexdemo  # noqa: F401  (the plugin's checks)
+
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", value)
+    with pytest.raises(ValueError, match=f"fsdp_reshard_after_forward={value.upper()} is FSDP1's spelling.*{write}"):
+        FullyShardedDataParallelPlugin()

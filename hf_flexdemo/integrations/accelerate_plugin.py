@@ -5,7 +5,8 @@ its methods (idempotently, once per process; ``import hf_flexdemo`` calls it):
 
 - ``FullyShardedDataParallelPlugin.__post_init__``: FSDP1 in a distributed job without an
   accelerator is refused before Accelerate's own set-up (which speaks of missing devices,
-  or trains unsynchronized copies with HYBRID_SHARD).
+  or trains unsynchronized copies with HYBRID_SHARD); so is an FSDP1 strategy name in
+  ``fsdp_reshard_after_forward`` under FSDP2 (Accelerate says only "invalid truth value").
 - ``PartialState.__init__``: ``accelerate launch`` does not pass a config's ``use_cpu`` to
   multi-process jobs, so on a machine without a GPU each process of a distributed launch
   would believe it trains alone (N silent unsynchronized copies). A distributed launch
@@ -357,7 +358,31 @@ def _refuse_fsdp1_on_cpu(original, self: FullyShardedDataParallelPlugin, *args, 
             "`parallelism_config: {parallelism_config_dp_replicate_size: <nodes>, "
             "parallelism_config_dp_shard_size: <processes per node>}` instead of fsdp_sharding_strategy."
         )
+    if version == 2:
+        _refuse_fsdp1_reshard_spelling(self.reshard_after_forward)
     original(self, *args, **kwargs)
+
+
+FSDP2_RESHARD = {"FULL_SHARD": "true", "SHARD_GRAD_OP": "false"}
+"""FSDP1 strategy names that ``fsdp_reshard_after_forward`` takes, and what FSDP2 spells them."""
+
+
+def _refuse_fsdp1_reshard_spelling(value) -> None:
+    """Before Accelerate's own refusal under FSDP2, which says only ``invalid truth value shard_grad_op``."""
+    if value is None:
+        value = os.environ.get("FSDP_RESHARD_AFTER_FORWARD")
+    name = str(getattr(value, "name", value)).strip().upper()
+    if name not in FSDP_SHARDING_STRATEGY:
+        return
+    instead = (
+        f"write `fsdp_reshard_after_forward: {FSDP2_RESHARD[name]}`"
+        if name in FSDP2_RESHARD
+        else "FSDP2 has no such mode: write `fsdp_reshard_after_forward: true` (or false to keep the gathered "
+        "parameters between forward and backward), and give a hybrid layout as `parallelism_config`"
+    )
+    raise ValueError(
+        f"fsdp_reshard_after_forward={name} is FSDP1's spelling; with fsdp_version 2 it is true or false: {instead}."
+    )
 
 
 def _refuse_fsdp_without_a_shard_dimension(plugin, config) -> None:
