@@ -97,11 +97,16 @@ AT_DEMOS_T5_RATE = ("demo_bf16", "demo_sign", "demo_4bit", "demo_2bit", "demo_to
 AT_DEMOS_T5_RATE += ("demo_aggressive", "demo_shared", "full", "random", "striding")
 UPDATE_RULE_CONFIGS = tuple(name for name in CONFIGS if name.endswith(("_adam", "_ortho")))
 UPDATE_RULE_RATES = (4e-3, 8e-3, 1.6e-2)
-"""Both rules take steps of about a sign step's size per entry: swept around sign's best."""
+"""The rules take steps of about a sign step's size per entry: swept around sign's best (OLMo2's 8e-3),
+extended downwards where the best sat at the bottom."""
+AT_ORTHO_ADAMS_RATE = ("demo_2bit_ortho_adam", "demo_top16_2bit_ortho_adam")
+"""Wire formats with the orthogonal + adam rule run at demo_ortho_adam's best rate (as the sign wire formats
+at demo's on T5)."""
 SWEEPS = {
     "olmo2": {
         "adamw_hsdp": (2e-3, 4e-3, 8e-3),
         **dict.fromkeys(UPDATE_RULE_CONFIGS, UPDATE_RULE_RATES),
+        "demo_ortho_adam": (2e-3, 4e-3, 8e-3, 1.6e-2),
         **dict.fromkeys(("demo", "demo_sign", "demo_2bit", "demo_top16_2bit", "demo_aggressive"), SIGN_UPDATE),
         "demo_top64_2bit": SIGN_UPDATE,  # not run on OLMo2
         # Run last: they took demo's best without a sweep.
@@ -112,6 +117,7 @@ SWEEPS = {
     "t5": {
         "adamw_hsdp": (1e-3, 2e-3, 4e-3, 8e-3),
         **dict.fromkeys(UPDATE_RULE_CONFIGS, UPDATE_RULE_RATES),
+        "demo_ortho_adam": (2e-3, 4e-3, 8e-3),
         "demo": (2e-3, 4e-3, 8e-3),
         **dict.fromkeys(AT_DEMOS_T5_RATE, (4e-3,)),
         "diloco": (1e-3, 2e-3),
