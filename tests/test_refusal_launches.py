@@ -76,3 +76,12 @@ def test_no_rank_warns_about_slicing_a_flattened_mesh_dimension(tmp_path, optim)
     returncode, output = launch(tmp_path, script_args=["--optim", optim], PYTHONWARNINGS="default")
     assert returncode == 0, output[-3000:]
     assert "Slicing a flattened dim" not in output
+
+
+def test_a_launch_naming_a_machine_that_never_comes_ends_with_the_readmes_timeout_flag(tmp_path):
+    # The launcher's rendezvous waits for the second machine before any of our code runs: no refusal is
+    # possible, so the README names the flag that ends the wait instead of promising one.
+    flags = "--num_machines 2 --num_processes 3 --main_process_ip 127.0.0.1 --rdzv_conf timeout=5".split()
+    returncode, output = launch(tmp_path, launcher_args=flags)
+    assert returncode != 0 and "1/2 clients joined" in output, output[-3000:]
+    assert "--rdzv_conf timeout=60" in (REPO_ROOT / "README.md").read_text()
