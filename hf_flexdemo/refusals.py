@@ -1,7 +1,9 @@
 """A refusal reaches the user once, as its message: not once per process inside a traceback.
 
-hf_flexdemo refuses bad settings by raising ``ValueError`` (or one of its own exception
-classes) with a message that names the setting, the value and what to write instead.
+hf_flexdemo refuses bad settings by raising ``ValueError`` with a message that names the
+setting, the value and what to write instead; its own exception classes (replicas that
+drifted apart, a lost Lighthouse, a full disk) stop a run with a message that says what to do,
+and are treated alike, their class name kept in the line.
 Uncaught in a job of N processes, Python would print it N times, each inside a traceback
 of some forty lines. :func:`install` (run by ``import hf_flexdemo``) wraps
 ``sys.excepthook`` so that such an error prints its message once, on the first process of
@@ -70,7 +72,11 @@ class _RefusalHook:
 
 
 def _say(error: BaseException, where: str) -> None:
-    print(f"hf_flexdemo refused this run{where}: {error}\n({TRACEBACK_ENV}=1 shows the traceback.)", file=sys.stderr)
+    # A ValueError is a refused setting; hf_flexdemo's own errors (replicas drifted, Lighthouse lost) stop a run.
+    verb, kind = ("refused", "") if isinstance(error, ValueError) else ("stopped", f"{type(error).__name__}: ")
+    print(
+        f"hf_flexdemo {verb} this run{where}: {kind}{error}\n({TRACEBACK_ENV}=1 shows the traceback.)", file=sys.stderr
+    )
     sys.stderr.flush()
 
 

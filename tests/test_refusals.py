@@ -70,3 +70,12 @@ def test_an_fsdp1_reshard_value_under_fsdp2_is_refused_with_its_fsdp2_spelling(m
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", value)
     with pytest.raises(ValueError, match=f"fsdp_reshard_after_forward={value.upper()} is FSDP1's spelling.*{write}"):
         FullyShardedDataParallelPlugin()
+
+
+def test_hf_flexdemos_own_errors_keep_their_class_name_in_the_line(tmp_path):
+    # Raised by hf_flexdemo, not a ValueError: a run stopped, said in one line with the class name.
+    (tmp_path / "file").touch()
+    unwritable = str(tmp_path / "file" / "out")
+    proc = run(f"from hf_flexdemo.integrations.checkpoints import check_writable; check_writable({unwritable!r})")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "hf_flexdemo stopped this run: CheckpointStorageError: output_dir=" in proc.stderr
