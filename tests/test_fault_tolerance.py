@@ -9,22 +9,15 @@ group SIGKILLed (launcher and workers), as when a machine disappears.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 from support.ft_nodes import Lighthouse, Node, free_port, wait_until
-from support.launch import child_env
 
 from hf_flexdemo import FlexDeMo
-from hf_flexdemo.config import FlexDeMoConfig
-from hf_flexdemo.fault_tolerance import NodeIdentity
 from hf_flexdemo.integrations.checkpoints import MARKER
-from hf_flexdemo.lighthouse import LighthouseView, job_state_verdict, read_lighthouse
 from hf_flexdemo.topology import ReplicaTopology
 
 pytest.importorskip("torchft", reason="torchft is part of the test install (setup.cfg [test])")
@@ -308,139 +301,6 @@ def test_a_node_with_other_settings_is_refused_when_it_meets_the_others(lighthou
     assert "flexdemo.settings.topk: node0 has 8, this node 4" in nodes[1].log()
     finish(nodes[:1])  # the running node is not disturbed
     assert nodes[0].result(0)["global_step"] == 150
-
-
-# -- settings, unit ----------------------------------------------------------------------------
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize(
-    "environ,message",
-    [
-        ({}, "TORCHFT_LIGHTHOUSE (unset)"),
-        ({"TORCHFT_LIGHTHOUSE": "10.0.0.1:29510"}, "write it as http://<host>:<port>"),
-        ({"TORCHFT_LIGHTHOUSE": "http://h:1", "REPLICA_GROUP_ID": "0"}, "needs NUM_REPLICA_GROUPS"),
-        ({"TORCHFT_LIGHTHOUSE": "http://h:1", "NUM_REPLICA_GROUPS": "2"}, "needs REPLICA_GROUP_ID"),
-        (
-            {"TORCHFT_LIGHTHOUSE": "http://h:1", "NUM_REPLICA_GROUPS": "2", "REPLICA_GROUP_ID": "2"},
-            "REPLICA_GROUP_ID=2 is invalid with NUM_REPLICA_GROUPS=2",
-        ),
-    ],
-)
-def test_the_node_identity_is_checked_with_a_fix(environ, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        NodeIdentity.from_env(environ=environ)
-
-
-@pytest.mark.unit
-def test_min_replicas_above_the_node_count_and_overlap_are_refused():
-    env = {"TORCHFT_LIGHTHOUSE": "http://h:1", "NUM_REPLICA_GROUPS": "2", "REPLICA_GROUP_ID": "0"}
-    with pytest.raises(ValueError, match="min_replicas=3 is more than NUM_REPLICA_GROUPS=2"):
-        NodeIdentity.from_env(3, environ=env)
-    with pytest.raises(ValueError, match="overlap=True cannot be combined with fault_tolerance='torchft'"):
-        FlexDeMoConfig(fault_tolerance="torchft", overlap=True)
-    with pytest.raises(ValueError, match="fault_tolerance='on' is invalid"):
-        FlexDeMoConfig(fault_tolerance="on")
-
-
-@pytest.mark.unit
-def test_without_fault_tolerance_torchft_is_never_imported(tmp_path):
-    code = (
-        "import sys, hf_flexdemo, transformers, torch\n"
-        "from hf_flexdemo import FlexDeMo\n"
-        "m = torch.nn.Linear(8, 8)\n"
-        "opt = FlexDeMo(m.parameters(), topk=4, chunk=8)\n"
-        "m(torch.randn(2, 8)).sum().backward(); opt.step()\n"
-        "assert 'torchft' not in sys.modules, 'torchft imported on the default path'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, env=child_env(), cwd=tmp_path, timeout=120)
-
-
-@pytest.mark.unit
-def test_the_torchft_api_we_use_is_where_we_call_it():
-    import inspect
-
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
-
-    params = inspect.signature(Manager.__init__).parameters
-    for name in (
-        "use_async_quorum",
-        "init_sync",
-        "min_replica_size",
-        "quorum_timeout",
-        "lighthouse_addr",
-        "replica_id",
-    ):
-        assert name in params, f"torchft Manager({name}=) moved"
-    for name in ("register_state_dict_fn", "start_quorum", "should_commit", "report_error", "errored", "current_step"):
-        assert hasattr(Manager, name), f"torchft Manager.{name} moved"
-    for name in ("allgather", "allreduce", "configure"):
-        assert hasattr(ProcessGroupGloo, name)
-    # QuorumWatch stands in for the manager's private client to learn each quorum's members.
-    from torchft._torchft import ManagerClient, QuorumResult
-
-    assert "self._client._quorum(" in inspect.getsource(Manager._async_quorum)
-    assert hasattr(ManagerClient, "_quorum") and "replica_ids" in dir(QuorumResult)
-    assert hasattr(Manager, "state_dict") and hasattr(Manager, "load_state_dict")  # a resumed node's commit count
-    assert os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"))
-
-
-@pytest.mark.unit
-def test_the_waiting_message_names_who_is_missing_from_the_lighthouse():
-    from datetime import timedelta
-
-    from torchft._torchft import LighthouseClient, LighthouseServer
-
-    from hf_flexdemo.fault_tolerance import lighthouse_status
-
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=500)
-    try:
-        address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
-        client = LighthouseClient(address, timedelta(seconds=5))
-        client.heartbeat("node1:a")
-        time.sleep(1.0)  # node1 falls silent
-        client.heartbeat("node0:b")
-        status = lighthouse_status(address)
-        assert "need min_replicas 2" in status and "heartbeating ['node0']" in status
-    finally:
-        server.shutdown()
-    assert "does not answer" in lighthouse_status(f"http://127.0.0.1:{free_port()}")
-
-
-@pytest.mark.unit
-def test_the_lighthouse_view_holds_the_last_quorums_steps():
-    from datetime import timedelta
-
-    from torchft._torchft import LighthouseClient, LighthouseServer
-
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=500)
-    try:
-        address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
-        client = LighthouseClient(address, timedelta(seconds=5))
-        client.heartbeat("node0:a1")
-        quorum = dict(timeout=timedelta(seconds=5), address="x", store_address="y", world_size=1, shrink_only=False)
-        client.quorum(replica_id="node0:a1", step=57, **quorum)
-        view = read_lighthouse(address)
-        assert view.last_quorum == {"node0:a1": 57} and view.job_step == 57
-        assert view.heartbeating == {"node0:a1"}
-    finally:
-        server.shutdown()
-
-
-@pytest.mark.unit
-def test_a_node_that_would_start_a_finished_job_over_is_refused_and_a_resumed_one_is_told():
-    before = LighthouseView(last_quorum={"node0:a": 100, "node1:b": 97})
-    gone = LighthouseView(heartbeating=frozenset({"node1:new"}))  # only the relaunched node itself
-    kind, message = job_state_verdict(before, gone, "node1", 0, resumed=False)
-    assert kind == "refuse" and "last quorum had committed 100 steps (node0 at 100, node1 at 97)" in message
-    assert "restart torchft_lighthouse" in message
-    kind, message = job_state_verdict(before, gone, "node1", 60, resumed=True)
-    assert kind == "warn" and "resumes from its checkpoint at 60 committed steps, behind the 100" in message
-    late = LighthouseView(heartbeating=frozenset({"node0:a"}))  # a peer that holds the steps, only slow to join
-    assert job_state_verdict(before, late, "node1", 0, resumed=False) is None
-    assert job_state_verdict(before, gone, "node1", 100, resumed=False) is None  # healed to the job's state
-    assert job_state_verdict(LighthouseView(), gone, "node1", 0, resumed=False) is None  # a new job
 
 
 class OneReplicaQuorum:
