@@ -27,6 +27,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast, TrainingArguments
 
 from hf_flexdemo import elastic
+from hf_flexdemo.integrations.checkpoints import newest_complete
 
 
 def english_paragraphs() -> list[str]:
@@ -102,11 +103,13 @@ def shared_tokenizer(train: Callable[[], PreTrainedTokenizerFast], args: Trainin
     """Train the tokenizer once, on the main process, and load that one in every process.
 
     Every process must use the same token ids; ``output_dir`` must be visible to all of them.
-    A resumed run (``--resume_from_checkpoint``, or an automatic restart) reuses the
-    tokenizer its first start saved in ``output_dir`` instead of training it again.
+    A resumed run (``--resume_from_checkpoint``, an automatic restart, or a relaunch that finds
+    an earlier run's complete checkpoints) reuses the tokenizer its first start saved in
+    ``output_dir`` instead of training it again.
     """
     path = Path(args.output_dir) / "offline_tokenizer"
     resuming = bool(args.resume_from_checkpoint) or elastic.restart_count() > 0
+    resuming = resuming or newest_complete(Path(args.output_dir)) is not None
     with args.main_process_first(local=False, desc="training the tokenizer"):
         if args.process_index == 0 and not (resuming and (path / "tokenizer.json").exists()):
             train().save_pretrained(path)
