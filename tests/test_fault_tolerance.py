@@ -27,6 +27,11 @@ TINY = (
     "--save_strategy no --optim flexdemo"
 ).split()
 ALL_SCHEMES = ("demo", "random", "striding", "full", "diloco", "sparseloco", "demo_shared")
+UPDATE_RULES = {
+    "demo_ortho_adam": dict(update="orthogonal", elementwise_update="adam"),
+    "demo_adam": dict(update="adam"),
+}
+"""Update rules on demo's wire (hf_flexdemo.updates): adam keeps shared state that healing copies."""
 """Every scheme that exchanges, and demo over a shared index set."""
 
 
@@ -76,11 +81,13 @@ def losses_fell(result: dict) -> bool:
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("scheme", ["demo", "diloco", "sparseloco"])
+@pytest.mark.parametrize("scheme", ["demo", "diloco", "sparseloco", "demo_ortho_adam"])
 def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, scheme):
     extra = ",inner_steps=4" if scheme in ("diloco", "sparseloco") else ""
+    wire = "demo" if scheme in UPDATE_RULES else scheme
+    extra += "".join(f",{key}={value}" for key, value in UPDATE_RULES.get(scheme, {}).items())
     slow = tmp_path / "slow_while_node1_is_away"
-    flags = [*TINY, "--max_steps", "100", "--step_delay", "0.15", *ft_args(f",scheme={scheme}{extra}")]
+    flags = [*TINY, "--max_steps", "100", "--step_delay", "0.15", *ft_args(f",scheme={wire}{extra}")]
     nodes = nodes_of(2, lighthouse, tmp_path, *flags, extra={0: ("--slow_while", str(slow))})
     for node in nodes:
         node.start()
@@ -338,10 +345,12 @@ def _grads(step: int, params):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("scheme", [*ALL_SCHEMES, "none"])
+@pytest.mark.parametrize("scheme", [*ALL_SCHEMES, "none", *UPDATE_RULES])
 def test_a_step_the_node_does_not_commit_leaves_no_trace(scheme):
     """Steps 1, 2 commit, step 3 does not, step 4 does: the same as a twin that never saw step 3."""
     hp = dict(scheme=scheme, lr=0.05, weight_decay=0.1, topk=3, chunk=4, rate=0.25, inner_steps=2, value_bits=0)
+    if scheme in UPDATE_RULES:
+        hp.update(scheme="demo", **UPDATE_RULES[scheme])
     if scheme in ("demo", "sparseloco"):
         hp.update(value_bits=2, rounding="stochastic")
     if scheme == "demo_shared":
@@ -377,9 +386,11 @@ def copy_state(opt) -> dict:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("scheme", ["demo", "diloco", "demo_shared"])
+@pytest.mark.parametrize("scheme", ["demo", "diloco", "demo_shared", "demo_adam"])
 def test_a_healing_node_takes_parameters_shared_state_and_the_learning_rate(scheme):
     hp = dict(scheme=scheme.removesuffix("_shared"), shared_indices=scheme == "demo_shared")
+    if scheme in UPDATE_RULES:
+        hp.update(scheme="demo", **UPDATE_RULES[scheme])
     hp.update(lr=0.05, topk=3, chunk=4, inner_steps=3)
     peer_params, mine = _tiny_params(0), _tiny_params(1)
     peer, node = FlexDeMo(peer_params, **hp), FlexDeMo(mine, **hp)
@@ -400,3 +411,7 @@ def test_a_healing_node_takes_parameters_shared_state_and_the_learning_rate(sche
             assert "momentum_dct" not in node.state[p]  # its own momentum: none yet, zeros at its first step
         if scheme == "demo_shared":  # the set every replica sends at next
             assert torch.equal(node.state[p]["shared_index_mask"], peer.state[q]["shared_index_mask"])
+        if scheme == "demo_adam":  # the rule's second moment, equal on every replica
+            assert peer.state[q]["update_sq"].any() and torch.equal(
+                node.state[p]["update_sq"], peer.state[q]["update_sq"]
+            )
