@@ -53,7 +53,7 @@ def _wants_traceback() -> bool:
     return os.environ.get(TRACEBACK_ENV, "0").strip().lower() not in ("", "0", "false", "no")
 
 
-class _RefusalHook:
+class RefusalHook:
     """``sys.excepthook``: one line for a refusal, the previous hook for everything else."""
 
     def __init__(self, previous):
@@ -87,5 +87,5 @@ def install() -> None:
     """Wrap ``sys.excepthook`` (once per process; keeps the hook installed before)."""
     global _INSTALLED
     if not _INSTALLED:  # not an isinstance test: torch may have wrapped ours since
-        sys.excepthook = _RefusalHook(sys.excepthook)
+        sys.excepthook = RefusalHook(sys.excepthook)
         _INSTALLED = True

@@ -12,38 +12,60 @@ import sys
 import pytest
 from support.launch import child_env
 
+from hf_flexdemo.config import parse_optim_args
+from hf_flexdemo.refusals import RefusalHook
+
 pytestmark = pytest.mark.unit
 
 REFUSED = "import torch, hf_flexdemo; hf_flexdemo.FlexDeMo([torch.nn.Parameter(torch.zeros(4))], topk=0)"
-MESSAGE = "topk=0 is invalid"
-
-
-def run(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code], env=child_env(**env), capture_output=True, text=True, timeout=120
-    )
 
 
 def test_a_refusal_prints_its_message_and_the_variable_that_brings_the_traceback_back():
-    proc = run(REFUSED)
+    proc = subprocess.run([sys.executable, "-c", REFUSED], env=child_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
-    assert MESSAGE in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert "HF_FLEXDEMO_TRACEBACK=1 shows the traceback" in proc.stderr
+    assert "hf_flexdemo refused this run: FlexDeMo: topk=0 is invalid" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "HF_FLEXDEMO_TRACEBACK=1 shows the traceback" in proc.stderr
 
 
-def test_the_variable_brings_the_traceback_back():
-    proc = run(REFUSED, HF_FLEXDEMO_TRACEBACK="1")
-    assert proc.returncode == 1 and "Traceback" in proc.stderr and MESSAGE in proc.stderr, proc.stderr
+def raised(call, *args) -> BaseException:
+    try:
+        call(*args)
+    except Exception as error:
+        return error
+    raise AssertionError(f"{call} raised nothing")
 
 
-def test_other_processes_of_a_launch_exit_quietly_with_the_same_code():
-    proc = run(REFUSED, LOCAL_RANK="1", RANK="1")
-    assert proc.returncode == 1 and proc.stderr.strip() == "", proc.stderr
+def hook_output(error: BaseException, capsys) -> tuple[str, list]:
+    """What the hook prints for ``error``, and what it handed on to the previous hook."""
+    handed_on: list = []
+    RefusalHook(lambda *info: handed_on.append(info))(type(error), error, error.__traceback__)
+    return capsys.readouterr().err, handed_on
 
 
-def test_a_value_error_raised_outside_hf_flexdemo_keeps_its_traceback():
-    proc = run("import hf_flexdemo; int('x')")
-    assert proc.returncode == 1 and "Traceback" in proc.stderr and "refused" not in proc.stderr, proc.stderr
+def test_the_variable_brings_the_traceback_back(monkeypatch, capsys):
+    monkeypatch.setenv("HF_FLEXDEMO_TRACEBACK", "1")
+    printed, handed_on = hook_output(raised(parse_optim_args, "topk=0x"), capsys)
+    assert printed == "" and len(handed_on) == 1
+
+
+def test_other_processes_of_a_launch_exit_quietly(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert hook_output(raised(parse_optim_args, "topk=0x"), capsys) == ("", [])
+
+
+def test_a_value_error_raised_outside_hf_flexdemo_keeps_its_traceback(capsys):
+    printed, handed_on = hook_output(raised(int, "x"), capsys)
+    assert printed == "" and len(handed_on) == 1
+
+
+def test_hf_flexdemos_own_errors_are_said_with_their_class_name(tmp_path, capsys):
+    # Raised by hf_flexdemo, not a ValueError: a run stopped, said in one line with the class name.
+    from hf_flexdemo.integrations.checkpoints import check_writable
+
+    (tmp_path / "file").touch()
+    printed, handed_on = hook_output(raised(check_writable, tmp_path / "file" / "out"), capsys)
+    assert printed.startswith("hf_flexdemo stopped this run: CheckpointStorageError: output_dir=") and not handed_on
 
 
 def test_nodes_launched_with_different_numbers_of_processes_are_refused_on_every_node(monkeypatch):
@@ -70,12 +92,3 @@ def test_an_fsdp1_reshard_value_under_fsdp2_is_refused_with_its_fsdp2_spelling(m
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", value)
     with pytest.raises(ValueError, match=f"fsdp_reshard_after_forward={value.upper()} is FSDP1's spelling.*{write}"):
         FullyShardedDataParallelPlugin()
-
-
-def test_hf_flexdemos_own_errors_keep_their_class_name_in_the_line(tmp_path):
-    # Raised by hf_flexdemo, not a ValueError: a run stopped, said in one line with the class name.
-    (tmp_path / "file").touch()
-    unwritable = str(tmp_path / "file" / "out")
-    proc = run(f"from hf_flexdemo.integrations.checkpoints import check_writable; check_writable({unwritable!r})")
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert "hf_flexdemo stopped this run: CheckpointStorageError: output_dir=" in proc.stderr
