@@ -100,6 +100,15 @@ def test_orthogonal_update_keeps_embeddings_and_head_on_sign(tok, tmp_path):
 
 
 @pytest.mark.lowest
+def test_an_output_dir_that_cannot_be_written_is_refused_when_the_trainer_is_built(tok, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    args = TrainingArguments(str(blocker / "run"), optim="flexdemo", use_cpu=True, report_to="none")
+    with pytest.raises(OSError, match=r"output_dir=.*cannot be written.*choose a writable --output_dir"):
+        Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=8))
+
+
+@pytest.mark.lowest
 def test_single_process_trainer_trains_with_flexdemo(tok, tmp_path):
     trainer = flexdemo_llama_trainer(tok, tmp_path, rows=64, max_steps=12, logging_steps=1, save_strategy="no")
     trainer.train()

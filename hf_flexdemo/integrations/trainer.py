@@ -33,7 +33,7 @@ from ..optim import FlexDeMo, unwrap_flexdemo
 from ..updates import elementwise_parameters
 from ._patching import wrap_method
 from .callback import FlexDeMoCallback
-from .checkpoints import CheckpointCallback, resolve_resume, storage_errors
+from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
 from .training_args import OPTIM_NAME, describe, flexdemo_kwargs, is_flexdemo
 
 __all__ = [
@@ -126,6 +126,9 @@ def mark_mean_loss_model(model) -> bool:
 def _trainer_init(original, self, *args, **kwargs):
     mark_mean_loss_model(kwargs["model"] if "model" in kwargs else (args[0] if args else None))
     elastic.check_restart_setup()  # before any data is loaded
+    training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+    if getattr(training_args, "output_dir", None):  # the Trainer creates it: a raw OSError otherwise
+        check_writable(training_args.output_dir)
     original(self, *args, **kwargs)
     elastic.exit_with_launcher()
     if is_flexdemo(self.args):
