@@ -31,6 +31,7 @@ MAJOR = int(transformers.__version__.split(".")[0])
         ("accelerate.parallelism_config", "ParallelismConfig"),
         ("accelerate.utils.fsdp_utils", "fsdp2_prepare_auto_wrap_policy"),
         ("accelerate.utils", "FullyShardedDataParallelPlugin"),
+        ("accelerate.utils.constants", "FSDP_SHARDING_STRATEGY"),  # the names FSDP1's number 1..5 stands for
     ],
 )
 def test_the_symbols_we_wrap_exist(module, name):
@@ -67,3 +68,11 @@ def test_the_logging_step_a_healing_node_moves_is_kept_by_the_trainer():
 
     source = inspect.getsource(transformers.Trainer)
     assert f"self.{LAST_LOGGED}" in source, f"Trainer.{LAST_LOGGED} moved ({transformers.__version__})"
+
+
+def test_accelerate_takes_fsdp2s_mesh_from_fsdp_dim_names():
+    """The plugin narrows ``fsdp_dim_names`` so that FSDP2 shards inside a node: Accelerate must read it there."""
+    from accelerate.utils import fsdp_utils
+
+    source = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
+    assert "fsdp_dim_names" in source, f"fsdp2_prepare_model no longer reads fsdp_dim_names ({accelerate.__version__})"
