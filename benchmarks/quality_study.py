@@ -123,8 +123,8 @@ SWEEPS = {
         "diloco": (1e-3, 2e-3),
         "sparseloco": (2e-3, 4e-3),
     },
-    # Fine-tuning takes smaller steps than pretraining: every configuration swept from 2.5e-4 up.
-    "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3) for name in CONFIGS},
+    # Fine-tuning: swept from 2.5e-4 (fine-tuning often wants small steps) up to where the loss turns.
+    "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3) for name in CONFIGS},
 }
 
 
