@@ -43,7 +43,12 @@ CONFIGS = {
         scheme="sparseloco", topk=64, value_bits=2, pack_indices=True
     ),
     "flexdemo full": dict(scheme="full"),
+    # Update rules (hf_flexdemo.updates); orthogonal leaves the embedding to the element-wise rule, as the Trainer does.
+    "flexdemo demo update=adam": dict(scheme="demo", update="adam"),
+    "flexdemo demo update=orthogonal": dict(scheme="demo", update="orthogonal"),
+    "flexdemo demo orthogonal + adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam"),
 }
+VOCAB = T5Config().vocab_size
 
 
 def t5_small_shapes() -> list[torch.Size]:
@@ -62,6 +67,8 @@ def run_config(name, kwargs, shapes, mesh, steps, repeats, seed=0):
     else:
         # DiLoCo: one outer step per timed run of `steps`, so time and bytes are amortized over H.
         extra = {"inner_steps": steps} if kwargs.get("scheme") in ("diloco", "sparseloco") else {}
+        if kwargs.get("update") == "orthogonal":
+            extra["elementwise"] = [p for p in params if p.shape[0] == VOCAB]  # the shared embedding and the head
         opt = FlexDeMo(params, lr=1e-4, mesh=mesh, **kwargs, **extra)
 
     def step():
