@@ -155,7 +155,7 @@ class FlexDeMoConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
-        validate_group(dataclasses.asdict(self), scheme=self.scheme)
+        validate_group(dataclasses.asdict(self), scheme=self.scheme, elementwise_update=self.elementwise_update)
         _check_choice("scheme", self.scheme, SCHEMES)
         _check_choice("decode", self.decode, DECODE_MODES)
         _check_choice("elementwise_update", self.elementwise_update, ("sign", "adam"))
@@ -317,7 +317,7 @@ def _parse_float(raw: str) -> float:
     return float(raw)
 
 
-def validate_group(group: dict[str, Any], scheme: str) -> None:
+def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str = "sign") -> None:
     """Check the per-group hyperparameters; raises ValueError naming the setting, value and range.
 
     ``betas`` and ``eps`` belong to the inner AdamW of DiLoCo and SparseLoCo and to ``update='adam'``: others
@@ -334,7 +334,7 @@ def validate_group(group: dict[str, Any], scheme: str) -> None:
     _check_choice("update", update, UPDATE_RULES)
     if update != "sign":
         _check_update_rule(update, group["sign"], scheme)
-    uses_adam = update == "adam" or (update == "orthogonal" and group.get("elementwise_update") == "adam")
+    uses_adam = update == "adam" or (update == "orthogonal" and elementwise_update == "adam")
     if scheme not in OUTER_STEP_SCHEMES and not uses_adam:
         return
     betas = group["betas"]

@@ -172,3 +172,41 @@ def test_update_is_read_from_optim_args_and_per_group():
     assert [g["update"] for g in opt.param_groups] == ["orthogonal", "adam"]
     with pytest.raises(ValueError, match="update='adam' applies to the per-step schemes"):
         FlexDeMo([{"params": params[:3]}, {"params": params[3:], "update": "adam"}], scheme="diloco")
+
+
+def test_a_warm_up_step_at_lr_0_counts_nothing_in_adams_bias_correction():
+    """lr = 0 folds nothing into the momentum and moves nothing: the run equals one that skipped that step."""
+    warmed, fresh = make_params(), make_params()
+    hp = {**SMALL, "update": "adam"}
+    a, b = FlexDeMo(warmed, **{**hp, "lr": 0.0}), FlexDeMo(fresh, **hp)
+    train(a, warmed, 1)
+    a.param_groups[0]["lr"] = hp["lr"]
+    train(a, warmed, 1, first=1)
+    train(b, fresh, 1, first=1)
+    for p, q in zip(warmed, fresh):
+        assert torch.equal(p, q)
+        assert torch.equal(a.state[p]["update_sq"], b.state[q]["update_sq"])
+        assert float(a.state[p]["update_count"]) == float(b.state[q]["update_count"]) == 1
+
+
+def test_resuming_with_another_update_rule_is_refused_naming_the_checkpoints():
+    params = make_params()
+    opt = FlexDeMo(params, **{**SMALL, "update": "sign"})
+    train(opt, params, 2)
+    saved = opt.state_dict()
+    with pytest.raises(ValueError, match=r"update='sign', but this run sets update='adam'.*Resume with update='sign'"):
+        FlexDeMo(make_params(), **{**SMALL, "update": "adam"}).load_state_dict(saved)
+    for group in saved["param_groups"]:  # a checkpoint from before the setting existed: sign steps
+        del group["update"]
+    resumed = make_params()
+    old = FlexDeMo(resumed, **{**SMALL, "update": "sign"})
+    old.load_state_dict(saved)
+    train(old, resumed, 1, first=2)  # and it steps
+    with pytest.raises(ValueError, match=r"update='sign', but this run sets update='orthogonal'"):
+        FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal"}).load_state_dict(saved)
+
+
+def test_elementwise_update_in_a_parameter_group_is_refused():
+    params = make_params()
+    with pytest.raises(ValueError, match=r"elementwise_update='sign' in a parameter group; it holds for the whole"):
+        FlexDeMo([{"params": params[:2]}, {"params": params[2:], "elementwise_update": "sign"}])

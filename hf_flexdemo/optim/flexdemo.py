@@ -171,8 +171,16 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             self.attach(mesh, replicate_dim)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if "elementwise_update" in param_group:
+            raise ValueError(
+                f"FlexDeMo: elementwise_update={param_group['elementwise_update']!r} in a parameter group; it holds "
+                "for the whole optimizer: pass it to FlexDeMo(...) (or optim_args), or give the group its own "
+                "update='adam' or 'sign'."
+            )
         super().add_param_group(param_group)
-        validate_group(self.param_groups[-1], scheme=self.config.scheme)
+        validate_group(
+            self.param_groups[-1], scheme=self.config.scheme, elementwise_update=self.config.elementwise_update
+        )
 
     # -- topology ----------------------------------------------------------------------
 
@@ -501,11 +509,31 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         self._flush_counters()
         return super().state_dict()
 
+    def _check_saved_rules(self, saved_groups: list[dict[str, Any]]) -> None:
+        """A resumed run keeps the update rule it was trained with: torch would silently restore the saved one."""
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"FlexDeMo: the checkpoint holds {len(saved_groups)} parameter groups but this run has "
+                f"{len(self.param_groups)}; update='orthogonal' puts embeddings and heads in groups of their own. "
+                "Resume with the update and elementwise_update the checkpoint was trained with."
+            )
+        for saved, group in zip(saved_groups, self.param_groups):
+            was = saved.get("update", "sign")  # checkpoints from before the setting took sign steps
+            if was != group["update"]:
+                raise ValueError(
+                    f"FlexDeMo: the checkpoint trained a group of {len(group['params'])} parameters with "
+                    f"update={was!r}, but this run sets update={group['update']!r}; its state would not match. "
+                    f"Resume with update={was!r} (optim_args), or start a new run in another output_dir."
+                )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_saved_rules(state_dict["param_groups"])
         self._pending = None  # an exchange started before loading refers to the replaced state
         self._uncounted.clear()  # so do bytes not yet added to it
         self._verify_state = True
         super().load_state_dict(state_dict)
+        for group in self.param_groups:  # torch takes the saved groups' keys; older checkpoints lack this one
+            group.setdefault("update", "sign")
         # torch casts floating state to the parameter's dtype; 16-bit parameters keep float32 moments.
         by_id = {}
         for saved, group in zip(state_dict["param_groups"], self.param_groups):

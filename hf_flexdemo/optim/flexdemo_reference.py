@@ -51,7 +51,7 @@ def _newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """Muon's quintic iteration, in float32: X <- a X + (b X X^T + c (X X^T)^2) X."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.to(torch.float32)
-    x = x / (x.norm() + 1e-7)
+    x = x / (x.norm() + torch.finfo(torch.float32).tiny)
     transposed = x.shape[0] > x.shape[1]
     if transposed:
         x = x.T
@@ -94,6 +94,7 @@ class FlexDeMoReference:
         self.outer_v = [torch.zeros_like(p) for p in params]
         self.adam = [[(torch.zeros_like(p), torch.zeros_like(p)) for p in params] for _ in range(replicas)]
         self.second = [[torch.zeros_like(p) for p in params] for _ in range(replicas)]  # update='adam'
+        self.updates = [[0 for _ in params] for _ in range(replicas)]  # adam's t: updates with lr > 0
         self.t = 0
 
     def step(self, grads: list[list[torch.Tensor]]) -> None:
@@ -134,7 +135,8 @@ class FlexDeMoReference:
             g = u / hp["lr"]
             v = self.second[r][i].reshape(-1)
             beta2 = hp["betas"][1]
-            t = self.t // hp["replicate_every"]
+            self.updates[r][i] += 1
+            t = self.updates[r][i]
             for j in range(flat.numel()):
                 v[j] = beta2 * v[j] + (1 - beta2) * g[j] ** 2
                 flat[j] -= hp["lr"] * g[j] / ((v[j] / (1 - beta2**t)).sqrt() + hp["eps"])

@@ -4,11 +4,13 @@ The replication scheme (:mod:`hf_flexdemo.schemes`) owns the wire: it decides wh
 replica sends and decodes what arrives into one update per parameter, the same on every
 replica. The rule named by the parameter group's ``update`` turns that update into the step:
 
-- ``sign``: ``p -= lr * sign(u)`` (DeMo's rule; ``lr * u`` with ``sign=False``);
-- ``adam``: ``p -= lr * u / (sqrt(v) + eps)`` with ``v`` a running mean of ``u**2`` per entry;
-- ``orthogonal``: ``p -= lr * sqrt(max(rows, cols)) * NS(U)`` for each 2-D matrix ``U``
-  (Newton-Schulz orthogonalization, as Muon does), gathered inside the node when FSDP2
-  shards it; other tensors take ``sign``.
+- ``orthogonal`` (the default on demo, full and none): ``p -= lr * sqrt(max(rows, cols)) * NS(U)``
+  for each 2-D matrix ``U`` (Newton-Schulz orthogonalization, as Muon does), gathered inside
+  the node when FSDP2 shards it; other tensors, and the embeddings and heads the Trainer names,
+  take ``elementwise_update`` (``adam`` by default, as Muon leaves them to AdamW);
+- ``adam``: ``p -= lr * g / (sqrt(v_hat) + eps)`` with ``g = u / lr`` and ``v`` a running mean of
+  ``g**2`` per entry;
+- ``sign``: ``p -= lr * sign(u)`` (DeMo's rule; ``lr * u`` with ``sign=False``).
 
 A rule sees only the decoded update, which is identical on every replica, and computes a
 deterministic function of it: replicas stay identical without any inter-node traffic.
@@ -17,12 +19,13 @@ deterministic function of it: replicas stay identical without any inter-node tra
 from __future__ import annotations
 
 from ..config import FlexDeMoConfig
-from .adaptive import AdaptiveRule
+from .adam import AdamRule
 from .base import Decoded, UpdateRule
-from .orthogonal import OrthogonalRule, elementwise_parameters, newton_schulz, with_elementwise_groups
+from .groups import elementwise_parameters, with_elementwise_groups
+from .orthogonal import OrthogonalRule, newton_schulz
 from .sign import SignRule
 
-RULE_CLASSES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (SignRule, AdaptiveRule, OrthogonalRule)}
+RULE_CLASSES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (SignRule, AdamRule, OrthogonalRule)}
 
 
 def build_rules(config: FlexDeMoConfig) -> dict[str, UpdateRule]:
@@ -32,7 +35,7 @@ def build_rules(config: FlexDeMoConfig) -> dict[str, UpdateRule]:
 
 __all__ = [
     "RULE_CLASSES",
-    "AdaptiveRule",
+    "AdamRule",
     "Decoded",
     "OrthogonalRule",
     "SignRule",

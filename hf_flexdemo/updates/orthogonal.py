@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..config import FlexDeMoConfig
 from ..schemes.base import StepContext
 from ..topology import all_gather_single
-from .adaptive import AdaptiveRule
+from .adam import AdamRule
 from .base import Decoded, UpdateRule
 from .sign import SignRule
 
@@ -47,7 +45,9 @@ def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
     """An approximately semi-orthogonal matrix with ``matrix``'s singular vectors (float32)."""
     a, b, c = NS_COEFFICIENTS
     x = matrix.to(torch.float32)
-    x = x / (x.norm() + 1e-7)  # singular values into [0, 1], where the iteration converges
+    # Singular values into [0, 1], where the iteration converges; the update's scale (lr * grad) can be
+    # tiny, so the guard against a zero matrix must not be a fixed epsilon.
+    x = x / (x.norm() + torch.finfo(torch.float32).tiny)
     wide = x.shape[0] <= x.shape[1]
     if not wide:
         x = x.T  # iterate on the smaller Gram matrix
@@ -55,40 +55,6 @@ def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
     return x if wide else x.T
-
-
-HEAD_NAMES = ("lm_head", "classifier", "score")
-"""Attributes under which models keep their output head (transformers' conventions)."""
-
-
-def elementwise_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Embedding tables and output heads: matrices that orthogonalizing would hurt (the element-wise rule's).
-
-    An embedding row moves only when its token occurs, and a head's rows are per class: neither
-    is a linear map whose singular values mean anything (Muon leaves them to an element-wise rule).
-    """
-    heads = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
-    output = getattr(model, "get_output_embeddings", lambda: None)()
-    heads += [output] if isinstance(output, torch.nn.Module) else []
-    heads += [getattr(model, name) for name in HEAD_NAMES if isinstance(getattr(model, name, None), torch.nn.Linear)]
-    unique = {id(p): p for module in heads for p in module.parameters()}
-    return list(unique.values())
-
-
-def with_elementwise_groups(params, elementwise: Iterable[torch.Tensor], update: str = "sign") -> list[dict[str, Any]]:
-    """Parameter groups with the ``elementwise`` parameters moved to groups of their own with rule ``update``."""
-    groups = list(params)
-    if groups and not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    marked = {id(p) for p in elementwise}
-    if not marked:
-        return groups
-    split = []
-    for group in groups:
-        params = list(group["params"])
-        split.append({**group, "params": [p for p in params if id(p) not in marked]})
-        split.append({**group, "params": [p for p in params if id(p) in marked], "update": update})
-    return [group for group in split if group["params"]]
 
 
 def _row_shards(param: torch.Tensor) -> tuple[dist.ProcessGroup, int, int] | None:
@@ -110,12 +76,14 @@ class OrthogonalRule(UpdateRule):
 
     def __init__(self, config: FlexDeMoConfig):
         super().__init__(config)
-        self.elementwise = (AdaptiveRule if config.elementwise_update == "adam" else SignRule)(config)
+        self.elementwise = (AdamRule if config.elementwise_update == "adam" else SignRule)(config)
         self.state_keys = self.elementwise.state_keys
 
     def init_state(self, slot) -> None:
         if slot.state.param.dim() != 2:
             self.elementwise.init_state(slot)
+        else:
+            _row_shards(slot.state.param)  # refuse a layout it cannot gather before anything moves
 
     @staticmethod
     def is_matrix(item: Decoded) -> bool:

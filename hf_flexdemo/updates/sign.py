@@ -1,4 +1,5 @@
-"""``sign``: DeMo's rule. Each entry moves by ``lr``, in the direction of the decoded update."""
+"""``sign``: DeMo's rule. Each entry moves by ``lr`` in the direction of the decoded update (``sign=False``: by
+``lr`` times the update itself)."""
 
 from __future__ import annotations
 
