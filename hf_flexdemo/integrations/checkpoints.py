@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import torch.distributed as dist
@@ -343,7 +344,7 @@ def storage_cause(error: BaseException) -> str | None:
 def check_writable(run_dir: str | os.PathLike) -> None:
     """Refuse before training when ``output_dir`` cannot be written (call it on the main process)."""
     run_dir = Path(run_dir)
-    probe = run_dir / ".flexdemo_write_probe"
+    probe = run_dir / f".flexdemo_write_probe.{socket.gethostname()}.{os.getpid()}"  # every process its own
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe.write_text("ok")
