@@ -94,6 +94,9 @@ def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, sc
     wait_until(lambda: nodes[1].step() >= 8, 180, "both nodes to train")
     slow.touch()  # however long the relaunch takes to start, the survivor is still training when it returns
     killed_at = nodes[1].kill()
+    # Relaunch once the survivor trains alone: on an idle machine a relaunch can rejoin before it shrinks.
+    shrunk = lambda: any(p["replicas"] == 1 for p in nodes[0].progress() if p["time"] > killed_at)  # noqa: E731
+    wait_until(shrunk, 120, "the quorum to shrink to the live node")
     step_at_relaunch = nodes[0].step()
     relaunched = time.time()
     nodes[1].start()
@@ -102,7 +105,6 @@ def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, sc
     wait_until(lambda: nodes[0].step() >= step_at_relaunch + 4, 120, "the survivor to keep stepping")
     after = [p for p in nodes[0].progress() if p["time"] > killed_at][:4]
     assert after[0]["time"] - killed_at < 10, "the survivor's next commit came more than 10 s after the loss"
-    assert all(p["replicas"] == 1 for p in after[2:]), "the quorum did not shrink to the live node"
     wait_until(lambda: any(p["time"] > relaunched for p in nodes[1].progress()), 120, "node1 to train again")
     slow.unlink()
     finish(nodes)
