@@ -338,6 +338,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
                 self._rule(slot).init_state(slot)
                 if self._verify_state:
                     self.scheme.check_state(slot)
+                    self._rule(slot).check_state(slot)
             self._verify_state = False
         undo = self._snapshot(slots, undo_step=not sync_only) if in_round else None
         if not sync_only:

@@ -23,6 +23,9 @@ class UpdateRule(ABC):
     def init_state(self, slot: ParamSlot) -> None:
         """Create the rule's state for ``slot`` (every step, before the exchange; no host syncs)."""
 
+    def check_state(self, slot: ParamSlot) -> None:
+        """Check ``slot`` against what the rule needs: at the first step and after a load, before anything moves."""
+
     @abstractmethod
     def apply(self, decoded: list[Decoded], ctx: StepContext) -> None:
         """Move each ``decoded[i].slot.param`` by its update (``ctx``: the step that exchanged it)."""

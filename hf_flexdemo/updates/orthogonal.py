@@ -82,7 +82,9 @@ class OrthogonalRule(UpdateRule):
     def init_state(self, slot) -> None:
         if slot.state.param.dim() != 2:
             self.elementwise.init_state(slot)
-        else:
+
+    def check_state(self, slot) -> None:
+        if slot.state.param.dim() == 2:
             _row_shards(slot.state.param)  # refuse a layout it cannot gather before anything moves
 
     @staticmethod
