@@ -49,38 +49,36 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "accelerate_configs" / "cpu_2x2.yaml"
 RATES = {"100mbit": 100e6, "1gbit": 1e9}
 
-# name: (--optim, --optim_args)
+# name: (--optim, --optim_args). The sign-update configurations name `update=sign`: they measure that
+# rule whatever the default is.
+SIGN_CONFIGS = {
+    "demo": "",
+    "demo_bf16": "value_dtype=bf16",
+    "demo_sign": "value_bits=1,pack_indices=true",
+    "demo_4bit": "value_bits=4,pack_indices=true",
+    "demo_2bit": "value_bits=2,pack_indices=true",
+    "demo_top16_2bit": "topk=16,value_bits=2,pack_indices=true",
+    # Twice demo's coefficients at 2 bits: about bf16's bytes, spent on more of the momentum.
+    "demo_top64_2bit": "topk=64,value_bits=2,pack_indices=true",
+    "demo_aggressive": "topk=4,chunk=64,value_bits=1,pack_indices=true",
+    "demo_shared": "shared_indices=true",
+    # Every momentum entry, all-reduced: the sign-of-momentum update with no compression at all.
+    "full": "scheme=full",
+    "random": "scheme=random",
+    "striding": "scheme=striding",
+}
+RULE_WIRES = ("demo", "full", "demo_2bit", "demo_top64_2bit", "demo_top16_2bit", "demo_aggressive")
+"""The wire formats that the update rules (hf_flexdemo.updates) run on."""
 CONFIGS = {
     "adamw_hsdp": ("adamw_torch", ""),
-    "demo": ("flexdemo", ""),
-    "demo_bf16": ("flexdemo", "value_dtype=bf16"),
-    "demo_sign": ("flexdemo", "value_bits=1,pack_indices=true"),
-    "demo_4bit": ("flexdemo", "value_bits=4,pack_indices=true"),
-    "demo_2bit": ("flexdemo", "value_bits=2,pack_indices=true"),
-    "demo_top16_2bit": ("flexdemo", "topk=16,value_bits=2,pack_indices=true"),
-    # Twice demo's coefficients at 2 bits: about bf16's bytes, spent on more of the momentum.
-    "demo_top64_2bit": ("flexdemo", "topk=64,value_bits=2,pack_indices=true"),
-    "demo_aggressive": ("flexdemo", "topk=4,chunk=64,value_bits=1,pack_indices=true"),
-    "demo_shared": ("flexdemo", "shared_indices=true"),
-    # Every momentum entry, all-reduced: the sign-of-momentum update with no compression at all.
-    "full": ("flexdemo", "scheme=full"),
-    "random": ("flexdemo", "scheme=random"),
-    "striding": ("flexdemo", "scheme=striding"),
+    **{name: ("flexdemo", ",".join(filter(None, (args, "update=sign")))) for name, args in SIGN_CONFIGS.items()},
     "diloco": ("flexdemo", "scheme=diloco,inner_steps=20"),
-    # The update rules (hf_flexdemo.updates) on DeMo's wire and without compression.
     **{
-        f"{base}_{rule}": ("flexdemo", ",".join(filter(None, (args, f"update={full}"))))
-        for base, args in (
-            ("demo", ""),
-            ("full", "scheme=full"),
-            ("demo_2bit", "value_bits=2,pack_indices=true"),
-            ("demo_top64_2bit", "topk=64,value_bits=2,pack_indices=true"),
-            ("demo_top16_2bit", "topk=16,value_bits=2,pack_indices=true"),
-            ("demo_aggressive", "topk=4,chunk=64,value_bits=1,pack_indices=true"),
-        )
+        f"{wire}_{rule}": ("flexdemo", ",".join(filter(None, (SIGN_CONFIGS[wire], f"update={full}"))))
+        for wire in RULE_WIRES
         for rule, full in (
             ("adam", "adam"),
-            ("ortho", "orthogonal"),
+            ("ortho", "orthogonal,elementwise_update=sign"),
             ("ortho_adam", "orthogonal,elementwise_update=adam"),
         )
     },
@@ -99,9 +97,9 @@ UPDATE_RULE_CONFIGS = tuple(name for name in CONFIGS if name.endswith(("_adam", 
 UPDATE_RULE_RATES = (4e-3, 8e-3, 1.6e-2)
 """The rules take steps of about a sign step's size per entry: swept around sign's best (OLMo2's 8e-3),
 extended downwards where the best sat at the bottom."""
-AT_ORTHO_ADAMS_RATE = ("demo_2bit_ortho_adam", "demo_top16_2bit_ortho_adam")
-"""Wire formats with the orthogonal + adam rule run at demo_ortho_adam's best rate (as the sign wire formats
-at demo's on T5)."""
+AT_ORTHO_ADAMS_RATE = tuple(f"{wire}_ortho_adam" for wire in RULE_WIRES if wire not in ("demo", "full"))
+"""Wire formats with the orthogonal + adam rule: run at demo_ortho_adam's chosen rate, found by its sweep in
+the same study (as the sign wire formats at demo's on T5). Their ``SWEEPS`` entry is the fallback."""
 SWEEPS = {
     "olmo2": {
         "adamw_hsdp": (2e-3, 4e-3, 8e-3),
@@ -117,14 +115,15 @@ SWEEPS = {
     "t5": {
         "adamw_hsdp": (1e-3, 2e-3, 4e-3, 8e-3),
         **dict.fromkeys(UPDATE_RULE_CONFIGS, UPDATE_RULE_RATES),
-        "demo_ortho_adam": (2e-3, 4e-3, 8e-3),
+        "demo_ortho_adam": (2e-3, 4e-3, 8e-3, 1.6e-2),  # 8e-3 won at the top of 2e-3..8e-3
         "demo": (2e-3, 4e-3, 8e-3),
         **dict.fromkeys(AT_DEMOS_T5_RATE, (4e-3,)),
         "diloco": (1e-3, 2e-3),
         "sparseloco": (2e-3, 4e-3),
     },
-    # Fine-tuning: swept from 2.5e-4 (fine-tuning often wants small steps) up to where the loss turns.
-    "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3) for name in CONFIGS},
+    # Fine-tuning: swept from 2.5e-4 (fine-tuning often wants small steps) up to where the loss turns
+    # (8e-3 won at the top of 2.5e-4..8e-3 for AdamW-HSDP, demo and orthogonal + adam, hence 1.6e-2).
+    "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2) for name in CONFIGS},
 }
 
 
@@ -227,11 +226,21 @@ def study(args) -> None:
     base = base_model(args.out) if "{base}" in PRESETS[args.model][1] else None
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
-            rates = args.rates.get(name, SWEEPS[args.model][name])
+            rates = args.rates.get(name) or swept_rates(args.model, name, runs.items, args.steps)
             swept = [runs.get(args.model, name, lr, 0, args.steps, Path(tmp), args.batch, base) for lr in rates]
             best = min(swept, key=lambda r: r["final_eval_loss"] if math.isfinite(r["final_eval_loss"]) else math.inf)
             for seed in args.seeds:
                 runs.get(args.model, name, best["lr"], seed, args.steps, Path(tmp), args.batch, base)
+
+
+def swept_rates(model: str, name: str, items: list[dict], steps: int) -> tuple[float, ...]:
+    """The rates ``name`` runs on seed 0: its sweep, or the rate orthogonal + adam chose on DeMo's default wire."""
+    if name in AT_ORTHO_ADAMS_RATE:
+        key = (model, "demo_ortho_adam", 0, steps)
+        chosen = [i for i in items if (i["model"], i["config"], i["seed"], i["steps"]) == key]
+        if chosen:
+            return (min(chosen, key=lambda r: r["final_eval_loss"])["lr"],)
+    return SWEEPS[model][name]
 
 
 def summarize(items: list[dict]) -> dict[str, dict]:

@@ -80,3 +80,21 @@ def test_time_to_the_baselines_final_loss_counts_the_modelled_time_of_the_first_
     assert time_to_baseline(fast, adamw) == pytest.approx(10 * 1.0 / (20 * 2.0))
     assert time_to_baseline(row([(10, 4.5), (20, 4.1)], 1.0, 0), adamw) is None
     assert time_to_baseline(adamw, adamw) == pytest.approx(1.0)
+
+
+def test_the_rules_wire_formats_run_at_the_rate_orthogonal_adam_chose_in_the_same_study():
+    from quality_study import AT_ORTHO_ADAMS_RATE, swept_rates
+
+    assert "demo_2bit_ortho_adam" in AT_ORTHO_ADAMS_RATE and "demo_top16_2bit_ortho_adam" in AT_ORTHO_ADAMS_RATE
+    assert swept_rates("t5", "demo_2bit_ortho_adam", [], 360) == SWEEPS["t5"]["demo_2bit_ortho_adam"]  # no winner yet
+    items = [run("demo_ortho_adam", lr, 0, loss) | {"steps": 360} for lr, loss in ((4e-3, 3.9), (8e-3, 3.7))]
+    items.append(run("demo_ortho_adam", 4e-3, 1, 1.0) | {"steps": 360})  # another seed does not choose
+    assert swept_rates("t5", "demo_2bit_ortho_adam", items, 360) == (8e-3,)
+    assert swept_rates("t5", "demo_2bit_ortho_adam", items, 100) == SWEEPS["t5"]["demo_2bit_ortho_adam"]
+    assert swept_rates("t5", "demo_ortho_adam", items, 360) == SWEEPS["t5"]["demo_ortho_adam"]
+
+
+def test_the_sign_configurations_name_their_rule_whatever_the_default():
+    for name, (optim, args) in CONFIGS.items():
+        if optim == "flexdemo" and "scheme=diloco" not in args and "scheme=sparseloco" not in args:
+            assert "update=" in args, name
