@@ -93,7 +93,11 @@ def main() -> None:
     grad_bytes = sum(t.numel() * t.element_size() for t in grads)
 
     rows = []
-    configs = {"adamw (fused)": None, "flexdemo demo": {}, "flexdemo demo bf16 values": {"value_dtype": "bf16"}}
+    configs = {
+        "adamw (fused)": None,
+        "flexdemo demo": {"update": "sign"},
+        "flexdemo demo bf16 values": {"value_dtype": "bf16", "update": "sign"},
+    }
     for name, kwargs in configs.items():
         if kwargs is None:
             opt = torch.optim.AdamW(params, lr=1e-4, fused=True)

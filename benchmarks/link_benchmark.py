@@ -33,14 +33,16 @@ CONFIG = ROOT / "benchmarks" / "configs" / "cpu_2machines.yaml"
 
 CONFIGS: dict[str, list[str]] = {
     "adamw": ["--optim", "adamw_torch"],
-    "demo": ["--optim", "flexdemo"],
-    "demo-bf16": ["--optim", "flexdemo", "--optim_args", "value_dtype=bf16"],
-    "demo-overlap": ["--optim", "flexdemo", "--optim_args", "overlap=true"],
+    "demo": ["--optim", "flexdemo", "--optim_args", "update=sign"],
+    "demo-bf16": ["--optim", "flexdemo", "--optim_args", "value_dtype=bf16,update=sign"],
+    "demo-overlap": ["--optim", "flexdemo", "--optim_args", "overlap=true,update=sign"],
+    "demo-ortho-adam": ["--optim", "flexdemo"],  # the default rule: orthogonal, adam for the rest
     "random": ["--optim", "flexdemo", "--optim_args", "scheme=random"],
     "diloco": ["--optim", "flexdemo", "--optim_args", "scheme=diloco,inner_steps=5"],
-    "none": ["--optim", "flexdemo", "--optim_args", "scheme=none"],
+    "none": ["--optim", "flexdemo", "--optim_args", "scheme=none,update=sign"],
 }
-"""What each run trains with; "none" (no inter-node communication at all) is the floor."""
+"""What each run trains with; "none" (no inter-node communication at all) is the floor. The DeMo runs
+recorded in BENCHMARKS.md took sign steps (the default then), so they name update=sign."""
 
 DEFAULT_MATRIX = {
     "unlimited": ["adamw", "demo", "random", "diloco", "none"],

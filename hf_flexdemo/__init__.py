@@ -9,11 +9,20 @@ plugin) install themselves when transformers or Accelerate is imported in the sa
 from .config import FlexDeMoConfig
 from .integrations import activate_on_import, install
 from .optim import FlexDeMo
+from .updates import elementwise_parameters
 from .wire import CommStats
 
 activate_on_import()
 
-__all__ = ["CommStats", "FlexDeMo", "FlexDeMoCallback", "FlexDeMoConfig", "ReplicaDriftError", "install"]
+__all__ = [
+    "CommStats",
+    "FlexDeMo",
+    "FlexDeMoCallback",
+    "FlexDeMoConfig",
+    "ReplicaDriftError",
+    "elementwise_parameters",
+    "install",
+]
 __version__ = "0.1.0"
 
 _FROM_CALLBACK = ("FlexDeMoCallback", "ReplicaDriftError")

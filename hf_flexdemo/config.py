@@ -31,6 +31,8 @@ TOPK_SCHEMES = ("demo", "sparseloco")
 ROUNDINGS = ("nearest", "stochastic")
 UPDATE_RULES = ("sign", "adam", "orthogonal")
 """How the decoded update becomes a parameter step (:mod:`hf_flexdemo.updates`)."""
+DEFAULT_UPDATE, DEFAULT_ELEMENTWISE_UPDATE = "orthogonal", "adam"
+"""The rule where it applies: it won against AdamW-HSDP on every preset of the quality study (BENCHMARKS.md)."""
 SUBSET_SCHEMES = ("random", "striding")
 FAULT_TOLERANCE = ("off", "torchft")
 
@@ -51,25 +53,26 @@ class FlexDeMoConfig:
         FlexDeMoConfig.from_optim_args("scheme=diloco,inner_steps=50")
     """
 
-    lr: float = field(default=1e-3, metadata={"help": "Step size: parameters move by lr * sign(update)."})
+    lr: float = field(default=1e-3, metadata={"help": "Step size (update='sign': each entry moves by lr)."})
     weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay: p *= 1 - lr * wd."})
     decay: float = field(default=0.999, metadata={"help": "Momentum decay beta: m = beta * m + lr * grad."})
     topk: int = field(default=32, metadata={"help": "DCT coefficients sent per tile (demo)."})
     chunk: int = field(default=64, metadata={"help": "Largest tile side of the chunked DCT (demo)."})
     sign: bool = field(default=True, metadata={"help": "update='sign': apply the sign of the decoded update."})
-    update: str = field(
-        default="sign",
+    update: str | None = field(
+        default=None,
         metadata={
-            "help": "How the decoded update becomes a step: 'sign' (DeMo), 'adam' (divided by a running RMS of "
-            "itself per entry, beta2 = betas[1], eps) or 'orthogonal' (Newton-Schulz per 2-D matrix, as Muon; "
-            "other tensors take 'sign'). Per-step schemes only."
+            "help": "How the decoded update becomes a step: 'orthogonal' (Newton-Schulz per 2-D matrix, as Muon; "
+            "other tensors take elementwise_update), 'adam' (divided by a running RMS of itself per entry, "
+            "beta2 = betas[1], eps) or 'sign' (DeMo). None: 'orthogonal' where it applies (demo, full, none), "
+            "'sign' on random and striding and with sign=False; diloco and sparseloco take their outer step."
         },
     )
-    elementwise_update: str = field(
-        default="sign",
+    elementwise_update: str | None = field(
+        default=None,
         metadata={
             "help": "update='orthogonal': the rule of what it does not orthogonalize (norms, biases, embeddings, "
-            "heads), 'sign' or 'adam' (as Muon leaves them to AdamW)."
+            "heads), 'adam' (None: the default, as Muon leaves them to AdamW) or 'sign'."
         },
     )
     decode: str = field(
@@ -155,16 +158,10 @@ class FlexDeMoConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
-        validate_group(dataclasses.asdict(self), scheme=self.scheme, elementwise_update=self.elementwise_update)
         _check_choice("scheme", self.scheme, SCHEMES)
+        self._resolve_rules()
+        validate_group(dataclasses.asdict(self), scheme=self.scheme, elementwise_update=self.elementwise_update)
         _check_choice("decode", self.decode, DECODE_MODES)
-        _check_choice("elementwise_update", self.elementwise_update, ("sign", "adam"))
-        if self.elementwise_update != "sign" and self.update != "orthogonal":
-            raise ValueError(
-                f"FlexDeMo: elementwise_update={self.elementwise_update!r} applies to update='orthogonal' (the rule "
-                f"of the tensors it does not orthogonalize), not update={self.update!r}; drop elementwise_update, "
-                "or set update='orthogonal'."
-            )
         _check_choice("value_dtype", self.value_dtype, tuple(VALUE_DTYPES))
         _check_int("replicate_every", self.replicate_every, low=1)
         if self.replicate_every != 1 and self.scheme not in PER_STEP_SCHEMES:
@@ -210,6 +207,21 @@ class FlexDeMoConfig:
         _check_int("inner_steps", self.inner_steps, low=1)
         _check_float("outer_lr", self.outer_lr, low=0.0)
         _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
+
+    def _resolve_rules(self) -> None:
+        """``update=None`` becomes the scheme's rule; ``elementwise_update=None`` the default one."""
+        if self.update is None:
+            self.update = default_update(self.scheme, self.sign)
+        if self.elementwise_update is None:
+            self.elementwise_update = DEFAULT_ELEMENTWISE_UPDATE if self.update == "orthogonal" else "sign"
+            return
+        _check_choice("elementwise_update", self.elementwise_update, ("sign", "adam"))
+        if self.elementwise_update != "sign" and self.update != "orthogonal":  # it would be ignored
+            raise ValueError(
+                f"FlexDeMo: elementwise_update={self.elementwise_update!r} applies to update='orthogonal' (the rule "
+                f"of the tensors it does not orthogonalize), not update={self.update!r}; drop elementwise_update, "
+                "or set update='orthogonal'."
+            )
 
     def _check_shared_indices(self) -> None:
         if self.scheme != "demo":
@@ -315,6 +327,18 @@ def _parse_float(raw: str) -> float:
         num, den = raw.split("/")
         return float(num) / float(den)
     return float(raw)
+
+
+def default_update(scheme: str, sign: bool = True) -> str:
+    """The rule ``update=None`` stands for: ``orthogonal`` where a rule applies, else ``sign``.
+
+    ``random`` and ``striding`` send a scattered subset, which no rule but ``sign`` can take; DiLoCo and
+    SparseLoCo move parameters by their own outer step (``update`` is not read there); ``sign=False`` is a
+    variant of the sign rule (the decoded update as it is), so it keeps that rule.
+    """
+    if scheme in SUBSET_SCHEMES or scheme in OUTER_STEP_SCHEMES or not sign:
+        return "sign"
+    return DEFAULT_UPDATE
 
 
 def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str = "sign") -> None:

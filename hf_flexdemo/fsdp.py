@@ -26,7 +26,7 @@ def shard_within_node(
 
         mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
         shard_within_node(model, mesh)
-        opt = FlexDeMo(model.parameters(), mesh=mesh)
+        opt = FlexDeMo(model.parameters(), mesh=mesh, elementwise=elementwise_parameters(model))
     """
     names = mesh.mesh_dim_names or ()
     if replicate_dim not in names:

@@ -112,11 +112,13 @@ def test_parse_empty_optim_args():
     assert parse_optim_args(None) == {} and parse_optim_args("") == {}
 
 
-def test_adam_betas_matter_only_to_diloco():
-    # The Trainer passes --adam_beta1/2 to every scheme; only DiLoCo's inner AdamW reads them.
-    FlexDeMo([torch.nn.Parameter(torch.zeros(4))], scheme="demo", betas=(0.9, 1.0))
-    with pytest.raises(ValueError, match=r"betas\[1\]=1.0 is invalid"):
-        FlexDeMo([torch.nn.Parameter(torch.zeros(4))], scheme="diloco", betas=(0.9, 1.0))
+def test_adam_betas_matter_only_where_an_adam_rule_reads_them():
+    # The Trainer passes --adam_beta1/2 to every scheme; DiLoCo's inner AdamW and the adam rules read them.
+    FlexDeMo([torch.nn.Parameter(torch.zeros(4))], scheme="demo", update="sign", betas=(0.9, 1.0))
+    FlexDeMo([torch.nn.Parameter(torch.zeros(4))], scheme="random", betas=(0.9, 1.0))  # its default rule: sign
+    for kwargs in (dict(scheme="diloco"), dict(scheme="demo")):  # demo's default rule: orthogonal, adam for the rest
+        with pytest.raises(ValueError, match=r"betas\[1\]=1.0 is invalid"):
+            FlexDeMo([torch.nn.Parameter(torch.zeros(4))], betas=(0.9, 1.0), **kwargs)
 
 
 def test_a_fraction_with_a_zero_denominator_is_refused_clearly():

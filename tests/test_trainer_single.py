@@ -83,18 +83,23 @@ def flexdemo_llama_trainer(tok, tmp_path, rows: int, **overrides) -> Trainer:
 
 
 @pytest.mark.lowest
-def test_orthogonal_update_keeps_embeddings_and_head_on_sign(tok, tmp_path):
-    rule = "topk=8,chunk=16,update=orthogonal"
-    trainer = flexdemo_llama_trainer(tok, tmp_path, rows=64, max_steps=8, logging_steps=1, optim_args=rule)
+@pytest.mark.parametrize(
+    ("optim_args", "elementwise"),
+    [("topk=8,chunk=16", "adam"), ("topk=8,chunk=16,update=orthogonal,elementwise_update=sign", "sign")],
+    ids=["default", "elementwise_sign"],
+)
+def test_orthogonal_update_leaves_embeddings_and_head_to_the_elementwise_rule(tok, tmp_path, optim_args, elementwise):
+    trainer = flexdemo_llama_trainer(tok, tmp_path, rows=64, max_steps=8, logging_steps=1, optim_args=optim_args)
     trainer.train()
     opt, model = trainer.optimizer.optimizer, trainer.model
     by_rule = {
         rule: {id(p) for g in opt.param_groups if g["update"] == rule for p in g["params"]}
-        for rule in ("sign", "orthogonal")
+        for rule in (elementwise, "orthogonal")
     }
-    assert {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)} <= by_rule["sign"]
+    assert {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)} <= by_rule[elementwise]
     matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) in by_rule["orthogonal"]]
-    assert len(matrices) >= 4 and not by_rule["sign"] & by_rule["orthogonal"]  # attention and MLP weights
+    assert len(matrices) >= 4 and not by_rule[elementwise] & by_rule["orthogonal"]  # attention and MLP weights
+    assert {g["update"] for g in opt.param_groups} == {elementwise, "orthogonal"}
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert sum(losses[-2:]) < sum(losses[:2]), losses
 

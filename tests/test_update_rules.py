@@ -132,7 +132,7 @@ class TinyLM(torch.nn.Module):
         return self.lm_head
 
 
-def test_embeddings_and_heads_keep_the_sign_rule_under_orthogonal():
+def test_embeddings_and_heads_take_the_elementwise_rule_under_orthogonal():
     model = TinyLM()
     kept = elementwise_parameters(model)
     assert {id(p) for p in kept} == {id(model.embed.weight), id(model.lm_head.weight), id(model.lm_head.bias)}
@@ -143,6 +143,40 @@ def test_embeddings_and_heads_keep_the_sign_rule_under_orthogonal():
         assert by_rule["orthogonal"] == {id(model.hidden.weight), id(model.hidden.bias)}
 
 
+DEFAULTS = [
+    # (scheme, sign) -> (update, elementwise_update) that update=None and elementwise_update=None stand for
+    (("demo", True), ("orthogonal", "adam")),
+    (("full", True), ("orthogonal", "adam")),
+    (("none", True), ("orthogonal", "adam")),
+    (("random", True), ("sign", "sign")),  # a scattered subset: no whole matrix, no per-entry count
+    (("striding", True), ("sign", "sign")),
+    (("diloco", True), ("sign", "sign")),  # their own outer step; update is not read
+    (("sparseloco", True), ("sign", "sign")),
+    (("demo", False), ("sign", "sign")),  # sign=False is the sign rule's variant
+]
+
+
+@pytest.mark.parametrize(("settings", "resolved"), DEFAULTS)
+def test_the_default_rule_is_orthogonal_with_adam_for_the_rest_where_it_applies(settings, resolved):
+    scheme, sign = settings
+    config = FlexDeMoConfig(scheme=scheme, sign=sign)
+    assert (config.update, config.elementwise_update) == resolved
+    params = make_params()
+    opt = FlexDeMo(params, scheme=scheme, sign=sign, elementwise=params[:1])
+    assert {group["update"] for group in opt.param_groups} == set(resolved)
+    assert FlexDeMoConfig(scheme=scheme, sign=sign, update="sign").elementwise_update == "sign"
+
+
+def test_the_default_rule_trains_like_its_explicit_settings():
+    explicit, default = make_params(), make_params()
+    a = FlexDeMo(explicit, **{**SMALL, "update": "orthogonal", "elementwise_update": "adam"})
+    b = FlexDeMo(default, **SMALL)
+    train(a, explicit, 3)
+    train(b, default, 3)
+    for p, q in zip(explicit, default):
+        assert torch.equal(p, q)
+
+
 REFUSED = [
     (dict(update="lion"), "update='lion'", "'sign', 'adam', 'orthogonal'"),
     (dict(update="adam", scheme="diloco"), "update='adam'", "leave update='sign'"),
@@ -150,7 +184,9 @@ REFUSED = [
     (dict(update="orthogonal", scheme="random"), "scattered subset", "scheme='demo' or 'full'"),
     (dict(update="adam", scheme="striding"), "scattered subset", "update='sign' with striding"),
     (dict(update="adam", sign=False), "sign=False", "drop sign=False"),
-    (dict(elementwise_update="adam"), "elementwise_update='adam' applies to update='orthogonal'", "drop"),
+    (dict(update="sign", elementwise_update="adam"), "elementwise_update='adam' applies to update='orthogonal'", "drop"),
+    (dict(update="adam", elementwise_update="adam"), "elementwise_update='adam' applies to update='orthogonal'", "drop"),
+    (dict(scheme="random", elementwise_update="adam"), "not update='sign'", "set update='orthogonal'"),
     (dict(update="orthogonal", elementwise_update="lion"), "elementwise_update='lion'", "'sign', 'adam'"),
     (dict(update="orthogonal", elementwise_update="adam", betas=(0.9, 1.5)), "betas[1]=1.5", "[0.0, 1.0)"),
     (dict(update="adam", betas=(0.9, 1.0)), "betas[1]=1.0", "[0.0, 1.0)"),
@@ -204,6 +240,20 @@ def test_resuming_with_another_update_rule_is_refused_naming_the_checkpoints():
     train(old, resumed, 1, first=2)  # and it steps
     with pytest.raises(ValueError, match=r"update='sign', but this run sets update='orthogonal'"):
         FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal"}).load_state_dict(saved)
+
+
+def test_a_sign_checkpoint_resumed_under_the_default_rule_names_the_setting_to_write():
+    """A run saved before the default changed (sign, one group) and resumed with the new default (two groups)."""
+    params = make_params()
+    opt = FlexDeMo(params, **{**SMALL, "update": "sign"})
+    train(opt, params, 2)
+    saved = opt.state_dict()
+    fresh = make_params()
+    with pytest.raises(ValueError) as info:
+        FlexDeMo(fresh, **SMALL, elementwise=fresh[:1]).load_state_dict(saved)
+    message = str(info.value)
+    assert "1 parameter groups trained with update='sign'" in message
+    assert "2 with update='orthogonal'/'adam'" in message and "(update='sign' in optim_args)" in message
 
 
 def test_elementwise_update_in_a_parameter_group_is_refused():

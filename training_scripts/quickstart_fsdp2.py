@@ -80,7 +80,17 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial model everywhere
     model = ByteLM().to(device)
     shard_within_node(model, mesh, blocks=model.blocks.layers)  # FSDP inside a node only: nothing crosses nodes
-    opt = FlexDeMo(model.parameters(), lr=args.lr, topk=args.topk, chunk=args.chunk, scheme=args.scheme, mesh=mesh)
+    # The default rule orthogonalizes each weight matrix's update; tables (token and position embeddings)
+    # and the output head are no linear maps of the stream, so they take adam's rule instead.
+    opt = FlexDeMo(
+        model.parameters(),
+        lr=args.lr,
+        topk=args.topk,
+        chunk=args.chunk,
+        scheme=args.scheme,
+        mesh=mesh,
+        elementwise=[model.embed.weight, model.position, *model.head.parameters()],
+    )
 
     batches = text_batches(rank, world, args.batch, 64, seed=1)
     start = time.perf_counter()

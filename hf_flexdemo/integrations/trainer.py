@@ -84,9 +84,9 @@ def fault_tolerant_identity(trainer):
 
 def _flexdemo_handler(ctx) -> tuple[type, dict[str, Any]]:
     kwargs = flexdemo_kwargs(ctx.args)
+    if FlexDeMoConfig(**kwargs).update == "orthogonal" and ctx.model is not None:
+        kwargs["elementwise"] = elementwise_parameters(ctx.model)  # embeddings and heads: elementwise_update
     kwargs.pop("weight_decay")  # the Trainer passes it per parameter group
-    if kwargs.get("update") == "orthogonal" and ctx.model is not None:
-        kwargs["elementwise"] = elementwise_parameters(ctx.model)  # embeddings and heads keep the sign rule
     return FlexDeMo, kwargs
 
 

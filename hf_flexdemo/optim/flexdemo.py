@@ -80,7 +80,9 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         replicate_dim: the mesh dimension that spans the nodes (default: ``dp_replicate``
             or ``replicate``, whichever the mesh has).
         elementwise: parameters that take ``elementwise_update`` whatever their group says: the
-            embeddings and output heads under ``update='orthogonal'`` (the Trainer passes them).
+            embeddings and output heads under ``update='orthogonal'`` (the default where it applies;
+            the Trainer passes them, a plain-PyTorch program passes
+            ``hf_flexdemo.elementwise_parameters(model)``).
 
     The other arguments are described in :class:`hf_flexdemo.FlexDeMoConfig`.
 
@@ -100,8 +102,8 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         chunk: int = 64,
         sign: bool = True,
         *,
-        update: str = "sign",
-        elementwise_update: str = "sign",
+        update: str | None = None,
+        elementwise_update: str | None = None,
         decode: str = "selected",
         value_dtype: str = "param",
         scheme: str = "demo",
@@ -512,14 +514,18 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
 
     def _check_saved_rules(self, saved_groups: list[dict[str, Any]]) -> None:
         """A resumed run keeps the update rule it was trained with: torch would silently restore the saved one."""
+        # Checkpoints from before the setting took sign steps.
+        saved_rules = [saved.get("update", "sign") for saved in saved_groups]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
-                f"FlexDeMo: the checkpoint holds {len(saved_groups)} parameter groups but this run has "
-                f"{len(self.param_groups)}; update='orthogonal' puts embeddings and heads in groups of their own. "
-                "Resume with the update and elementwise_update the checkpoint was trained with."
+                f"FlexDeMo: the checkpoint holds {len(saved_groups)} parameter groups trained with "
+                f"update={_rules(saved_rules)}, but this run has {len(self.param_groups)} with "
+                f"update={_rules([g['update'] for g in self.param_groups])}; update='orthogonal' (the default on "
+                "demo, full and none) puts embeddings and heads in groups of their own. Resume with the update and "
+                f"elementwise_update the checkpoint was trained with{_resume_hint(saved_rules)}, or start a new run "
+                "in another output_dir."
             )
-        for saved, group in zip(saved_groups, self.param_groups):
-            was = saved.get("update", "sign")  # checkpoints from before the setting took sign steps
+        for was, group in zip(saved_rules, self.param_groups):
             if was != group["update"]:
                 raise ValueError(
                     f"FlexDeMo: the checkpoint trained a group of {len(group['params'])} parameters with "
@@ -547,6 +553,17 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
                 current = self.state[p].get(key)
                 if torch.is_tensor(value) and torch.is_tensor(current) and value.dtype != current.dtype:
                     self.state[p][key] = value.to(device=current.device, copy=True)
+
+
+def _rules(rules: list[str]) -> str:
+    """``'sign'``, or ``'orthogonal'/'adam'`` for groups of several rules."""
+    return "/".join(repr(rule) for rule in dict.fromkeys(rules))
+
+
+def _resume_hint(saved_rules: list[str]) -> str:
+    """What to write for a checkpoint of one rule (those of several name theirs in the message)."""
+    rules = set(saved_rules)
+    return f" (update={saved_rules[0]!r} in optim_args)" if len(rules) == 1 else ""
 
 
 def unwrap_flexdemo(optimizer) -> FlexDeMo | None:

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from ..config import DEFAULT_ELEMENTWISE_UPDATE, default_update
+
 
 def _divisor(n: int, limit: int) -> int:
     best = 1
@@ -72,8 +74,8 @@ class FlexDeMoReference:
             "topk": 32,
             "chunk": 64,
             "sign": True,
-            "update": "sign",
-            "elementwise_update": "sign",
+            "update": None,  # None: as FlexDeMoConfig resolves it
+            "elementwise_update": None,
             "decode": "selected",
             "scheme": "demo",
             "replicate_every": 1,
@@ -86,6 +88,10 @@ class FlexDeMoReference:
             "eps": 1e-8,
             **hp,
         }
+        if self.hp["update"] is None:
+            self.hp["update"] = default_update(self.hp["scheme"], self.hp["sign"])
+        if self.hp["elementwise_update"] is None:
+            self.hp["elementwise_update"] = DEFAULT_ELEMENTWISE_UPDATE if self.hp["update"] == "orthogonal" else "sign"
         self.replicas = replicas
         self.gather_rows = gather_rows or (lambda local: (local, 0))
         self.params = [[p.detach().clone() for p in params] for _ in range(replicas)]
