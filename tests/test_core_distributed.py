@@ -68,6 +68,16 @@ def test_one_packed_collective_per_replication_step(ranks):
         assert [step["collectives"] for step in s["none"]["per_step"][1:]] == [0] * 19
 
 
+def test_the_orthogonal_rule_moves_matrices_to_their_owners_and_back_inside_the_node(ranks):
+    """Two all-to-alls over the node's own processes per step; never one across nodes."""
+    for rank in ranks:
+        s = rank["schemes"]
+        for scheme in ("demo", "full", "none", "demo_ortho", "full_ortho", "demo_ortho_adam"):  # the default rule
+            assert [step["node_all_to_alls"] for step in s[scheme]["per_step"]] == [2] * 20, scheme
+        for scheme in ("random", "striding", "diloco", "demo_adam"):
+            assert all(step["node_all_to_alls"] == 0 for step in s[scheme]["per_step"]), scheme
+
+
 def test_dense_all_reduce_counterfactual_and_compression(ranks):
     for rank in ranks:
         for scheme in ALL:

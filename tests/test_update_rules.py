@@ -260,3 +260,11 @@ def test_elementwise_update_in_a_parameter_group_is_refused():
     params = make_params()
     with pytest.raises(ValueError, match=r"elementwise_update='sign' in a parameter group; it holds for the whole"):
         FlexDeMo([{"params": params[:2]}, {"params": params[2:], "elementwise_update": "sign"}])
+
+
+def test_matrices_are_dealt_to_owners_largest_first_to_the_least_loaded():
+    from hf_flexdemo.updates.orthogonal import deal_owners
+
+    assert deal_owners([100, 10, 50, 50], 2) == [0, 0, 1, 1]  # loads 110 and 100
+    assert deal_owners([5, 5, 5], 4) == [0, 1, 2]  # a process may own nothing
+    assert deal_owners([], 2) == []

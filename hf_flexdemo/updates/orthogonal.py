@@ -13,11 +13,14 @@ biases, convolution kernels) take the element-wise rule ``elementwise_update`` (
 Trainer integration puts them in groups of their own with that rule (a plain-PyTorch user
 passes ``elementwise=`` or such a group).
 
-Under FSDP2 each process holds a row shard of the matrix. The shards of every matrix of the
-step are gathered in one all-gather over the node's own processes (the fast link, never the
-inter-node one); every process then orthogonalizes the whole matrices in float32 and keeps
-its rows. Every replica gathers the same update and runs the same arithmetic, so replicas
-stay bitwise identical.
+Under FSDP2 each process holds a row shard of the matrix. Each matrix has one owner among the
+node's processes (the matrices are dealt out by size, so the owners share the work evenly):
+one all-to-all over the node's own processes (the fast link, never the inter-node one) brings
+every owner the row shards of its matrices, the owner orthogonalizes them whole in float32,
+and a second all-to-all sends each process its rows back. A node thus runs Newton-Schulz once
+per matrix, not once per process, and no process holds more whole matrices than it owns.
+Every replica deals the same matrices to the same local ranks and runs the same arithmetic on
+the same update, so replicas stay bitwise identical.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..config import FlexDeMoConfig
 from ..schemes.base import StepContext
-from ..topology import all_gather_single
 from .adam import AdamRule
 from .base import Decoded, UpdateRule
 from .sign import SignRule
@@ -98,43 +100,78 @@ class OrthogonalRule(UpdateRule):
         for item in matrices:
             shards = _row_shards(item.slot.state.param)
             if shards is None:
-                self._step(item, item.update.view(item.slot.param.shape))
+                self.subtract(item, scaled_newton_schulz(item.update.view(item.slot.param.shape)))
             else:
                 by_group[shards].append(item)
         for (group, size, rank), items in by_group.items():
-            for item, whole in zip(items, _gather_rows(items, group, size)):
-                rows = item.slot.param.shape[0]
-                start = rank * math.ceil(whole.shape[0] / size)
-                self._step(item, whole, keep=slice(start, start + rows))
-
-    def _step(self, item: Decoded, whole: torch.Tensor, keep: slice = slice(None)) -> None:
-        rows, cols = whole.shape
-        ortho = newton_schulz(whole)[keep]
-        self.subtract(item, ortho.mul_(math.sqrt(max(rows, cols))))
+            for item, ortho in zip(items, _orthogonalize_by_owner(items, group, size, rank)):
+                self.subtract(item, ortho)
 
 
-def _gather_rows(items: list[Decoded], group: dist.ProcessGroup, size: int) -> list[torch.Tensor]:
-    """Every matrix's whole update, from the row shards of its ``size`` processes, in one all-gather.
+def scaled_newton_schulz(whole: torch.Tensor) -> torch.Tensor:
+    """``sqrt(max(rows, cols)) * NS(whole)`` in float32: a step of about one per entry, as a sign step."""
+    rows, cols = whole.shape
+    return newton_schulz(whole).mul_(math.sqrt(max(rows, cols)))
 
-    FSDP2 splits rows as ``torch.chunk`` does: ``ceil(rows / size)`` per process, the last ones
-    shorter or empty. Each shard travels padded to that size so every process sends alike.
+
+def deal_owners(numels: list[int], size: int) -> list[int]:
+    """Each matrix's owner among ``size`` processes: largest first, to the least loaded (ties: lowest rank).
+
+    Depends on the shapes alone, so every process and every replica deals alike.
     """
-    shapes, pieces = [], []
-    for item in items:
-        rows, cols = item.slot.state.param.shape
-        per_rank = math.ceil(rows / size)
+    load, owners = [0] * size, [0] * len(numels)
+    for index in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        owner = min(range(size), key=lambda rank: (load[rank], rank))
+        owners[index] = owner
+        load[owner] += numels[index]
+    return owners
+
+
+def _orthogonalize_by_owner(items: list[Decoded], group: dist.ProcessGroup, size: int, rank: int) -> list[torch.Tensor]:
+    """This process's rows of each matrix's scaled orthogonalization, each matrix computed by its owner.
+
+    FSDP2 splits rows as ``torch.chunk`` does: ``ceil(rows / size)`` per process, the last ones shorter or
+    empty. Each shard travels padded to that size, so a process sends every owner the same amount.
+    """
+    shapes = [tuple(item.slot.state.param.shape) for item in items]
+    per_rank = [math.ceil(rows / size) for rows, _ in shapes]
+    block = [per * cols for per, (_, cols) in zip(per_rank, shapes)]  # one padded shard, in entries
+    owners = deal_owners([rows * cols for rows, cols in shapes], size)
+    owned_by = [[i for i, owner in enumerate(owners) if owner == q] for q in range(size)]
+    shards = []
+    for item, per, (_, cols) in zip(items, per_rank, shapes):
         local = item.update.view(item.slot.param.shape).to(torch.float32)
-        padded = local.new_zeros(per_rank, cols)
+        padded = local.new_zeros(per, cols)
         padded[: local.shape[0]] = local
-        shapes.append((rows, cols, per_rank))
-        pieces.append(padded.reshape(-1))
-    flat = torch.cat(pieces)
-    gathered = flat.new_empty(size * flat.numel())
-    all_gather_single(gathered, flat, group=group)
-    gathered = gathered.view(size, flat.numel())
-    wholes, start = [], 0
-    for rows, cols, per_rank in shapes:
-        block = gathered[:, start : start + per_rank * cols].reshape(size * per_rank, cols)
-        wholes.append(block[:rows])
-        start += per_rank * cols
-    return wholes
+        shards.append(padded)
+    # Out: to each owner q, this process's shard of each matrix q owns (in matrix order).
+    sent = torch.cat([shards[i].reshape(-1) for q in range(size) for i in owned_by[q]])
+    mine = owned_by[rank]
+    sizes_to_owners = [sum(block[i] for i in owned_by[q]) for q in range(size)]
+    sizes_of_mine = [sum(block[i] for i in mine)] * size
+    received = _all_to_all(sent, send=sizes_to_owners, receive=sizes_of_mine, group=group)
+    # Every source sent its shards of my matrices in the same order, source q's rows q-th.
+    results, start = [], 0
+    for i in mine:
+        (rows, cols), per = shapes[i], per_rank[i]
+        whole = received.view(size, -1)[:, start : start + block[i]].reshape(size * per, cols)[:rows]
+        ortho = whole.new_zeros(size * per, cols)
+        ortho[:rows] = scaled_newton_schulz(whole)
+        results.append(ortho.view(size, block[i]))
+        start += block[i]
+    # Back: to each process q, its rows of every matrix this process owns, in the same order.
+    back = torch.cat(results, dim=1).reshape(-1) if results else sent.new_empty(0)
+    returned = _all_to_all(back, send=sizes_of_mine, receive=sizes_to_owners, group=group)
+    rows_of, offset = {}, 0
+    for q in range(size):
+        for i in owned_by[q]:
+            rows_of[i] = returned[offset : offset + block[i]].view(per_rank[i], shapes[i][1])
+            offset += block[i]
+    return [rows_of[i][: item.slot.param.shape[0]] for i, item in enumerate(items)]
+
+
+def _all_to_all(tensor: torch.Tensor, *, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """``tensor``'s ``send[q]`` entries to process q; ``receive[q]`` entries from each, in rank order."""
+    output = tensor.new_empty(sum(receive))
+    dist.all_to_all_single(output, tensor, output_split_sizes=receive, input_split_sizes=send, group=group)
+    return output

@@ -23,11 +23,13 @@ WRAPPED = tuple(
         "all_gather",
         "reduce_scatter_single",
         "reduce_scatter_tensor",
+        "all_to_all_single",
     )
     if hasattr(dist, name)
 )
 GATHERS = ("all_gather_single", "all_gather_into_tensor", "all_gather")
-SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
+SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single")
+"""Collectives whose input is split among the group (an all-to-all's even split is counted)."""
 
 
 @dataclass
@@ -58,6 +60,9 @@ class CommSpy:
 
     def inter_node(self) -> list[dict]:
         return [c for c in self.calls if c["inter_node"]]
+
+    def intra_node(self, op: str) -> list[dict]:
+        return [c for c in self.calls if not c["inter_node"] and c["op"] == op]
 
     def inter_node_bytes(self, ops: tuple[str, ...] | None = None) -> int:
         return sum(c["bytes"] for c in self.inter_node() if ops is None or c["op"] in ops)

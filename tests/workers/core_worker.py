@@ -41,8 +41,8 @@ VARIANTS = {  # wire formats of the top-k schemes, run like the schemes
     "demo_shared": dict(scheme="demo", shared_indices=True),
     # Update rules (hf_flexdemo.updates): the same wire, another step.
     "demo_adam": dict(scheme="demo", update="adam"),
-    "demo_ortho": dict(scheme="demo", update="orthogonal"),
-    "full_ortho": dict(scheme="full", update="orthogonal"),
+    "demo_ortho": dict(scheme="demo", update="orthogonal", elementwise_update="sign"),
+    "full_ortho": dict(scheme="full", update="orthogonal", elementwise_update="sign"),
     "full_adam": dict(scheme="full", update="adam"),
     "demo_ortho_adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam"),
 }
@@ -92,6 +92,7 @@ def check_schemes(mesh, coords, spy) -> dict:
                     "wire": sum(c["bytes"] for c in inter),
                     "collectives": len(inter),
                     "counted_collectives": opt.last_step_stats.collectives,
+                    "node_all_to_alls": len(spy.intra_node("all_to_all_single")),
                     "dense": opt.last_step_stats.dense_bytes,
                 }
             )
@@ -114,7 +115,7 @@ def check_oracle(mesh, coords) -> dict:
     """Local shards against the one-process reference that simulates both replicas (float64)."""
     configs = {
         "demo": dict(scheme="demo", sign=False),
-        "demo_sign_mean": dict(scheme="demo", sign=True, decode="mean"),
+        "demo_sign_mean": dict(scheme="demo", sign=True, decode="mean", update="sign"),
         "demo_packed": dict(scheme="demo", sign=False, pack_indices=True),  # a wire format: same results
         "demo_every2": dict(scheme="demo", sign=False, replicate_every=2),
         "random": dict(scheme="random", sign=False),
@@ -124,8 +125,8 @@ def check_oracle(mesh, coords) -> dict:
         "diloco": dict(scheme="diloco", inner_steps=3),
         "demo_adam": dict(scheme="demo", update="adam"),
         "full_adam": dict(scheme="full", update="adam"),
-        "demo_ortho": dict(scheme="demo", update="orthogonal"),
-        "full_ortho": dict(scheme="full", update="orthogonal"),
+        "demo_ortho": dict(scheme="demo", update="orthogonal", elementwise_update="sign"),
+        "full_ortho": dict(scheme="full", update="orthogonal", elementwise_update="sign"),
         "demo_ortho_adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam"),
     }
     group = mesh["replicate"].get_group()
