@@ -4,6 +4,8 @@
     python benchmarks/optimizer_step.py
     # two replicas (one process each, gloo on loopback): adds the real exchange
     torchrun --standalone --nproc-per-node 2 benchmarks/optimizer_step.py
+    # one node of two processes, every tensor a row-sharded FSDP2 DTensor: the update rules' in-node work
+    torchrun --standalone --nproc-per-node 2 benchmarks/optimizer_step.py --shard_processes 2
 
 The AdamW baseline with replicas also all-reduces the gradients (what HSDP does between
 nodes). Times are medians over ``--repeats`` runs of ``--steps`` steps, after one warm-up
@@ -21,9 +23,10 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 from transformers import T5Config, T5ForConditionalGeneration
 
-from hf_flexdemo import FlexDeMo
+from hf_flexdemo import FlexDeMo, FlexDeMoConfig
 from hf_flexdemo.wire import ring_all_reduce_bytes
 
 CONFIGS = {  # the figures in BENCHMARKS.md took sign steps (the default then): those configurations name it
@@ -59,15 +62,20 @@ def t5_small_shapes() -> list[torch.Size]:
 
 def run_config(name, kwargs, shapes, mesh, steps, repeats, seed=0):
     g = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
+    full = [torch.randn(s, generator=g) * 0.02 for s in shapes]
     grads = [torch.randn(s, generator=g) * 1e-3 for s in shapes]
-    replicas = mesh.size() if mesh is not None else 1
+    shard_mesh = mesh["shard"] if mesh is not None and mesh["shard"].size() > 1 else None
+    if shard_mesh is not None:  # FSDP2's layout: every tensor's rows split among the node's processes
+        full = [distribute_tensor(t, shard_mesh, [Shard(0)]) for t in full]
+        grads = [distribute_tensor(t, shard_mesh, [Shard(0)]) for t in grads]
+    params = [torch.nn.Parameter(t) for t in full]
+    replicas = mesh["replicate"].size() if mesh is not None else 1
     if kwargs is None:
         opt = torch.optim.AdamW(params, lr=1e-4)
     else:
         # DiLoCo: one outer step per timed run of `steps`, so time and bytes are amortized over H.
         extra = {"inner_steps": steps} if kwargs.get("scheme") in ("diloco", "sparseloco") else {}
-        if kwargs.get("update") == "orthogonal":
+        if FlexDeMoConfig(**kwargs).update == "orthogonal":
             extra["elementwise"] = [p for p in params if p.shape[0] == VOCAB]  # the shared embedding and the head
         opt = FlexDeMo(params, lr=1e-4, mesh=mesh, **kwargs, **extra)
 
@@ -76,7 +84,7 @@ def run_config(name, kwargs, shapes, mesh, steps, repeats, seed=0):
             p.grad = grad.clone() if kwargs is None else grad
         if kwargs is None and replicas > 1:
             for p in params:  # HSDP's inter-node gradient all-reduce
-                dist.all_reduce(p.grad, group=mesh.get_group())
+                dist.all_reduce(p.grad.to_local() if shard_mesh else p.grad, group=mesh["replicate"].get_group())
         opt.step()
 
     for _ in range(steps):  # warm-up: one run
@@ -89,7 +97,8 @@ def run_config(name, kwargs, shapes, mesh, steps, repeats, seed=0):
         for _ in range(steps):
             step()
         times.append((time.perf_counter() - start) / steps)
-    grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+    local = [g.to_local() if shard_mesh is not None else g for g in grads]  # what this process all-reduces
+    grad_bytes = sum(g.numel() * g.element_size() for g in local)
     dense = ring_all_reduce_bytes(grad_bytes, max(replicas, 2))
     if kwargs is None:
         sent = dense if replicas > 1 else None
@@ -104,12 +113,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", nargs="*", help="config names to run (default: all)")
     parser.add_argument("--json", help="write the results here (rank 0)")
+    parser.add_argument(
+        "--shard_processes", type=int, default=1, help="processes per node (replica), each holding row shards"
+    )
     args = parser.parse_args()
 
     mesh = None
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("replicate",))
+        world = dist.get_world_size()
+        if world % args.shard_processes:
+            raise SystemExit(f"--shard_processes={args.shard_processes} must divide the {world} processes")
+        layout = (world // args.shard_processes, args.shard_processes)
+        mesh = init_device_mesh("cpu", layout, mesh_dim_names=("replicate", "shard"))
     rank = dist.get_rank() if dist.is_initialized() else 0
     shapes = t5_small_shapes()
     n_params = sum(torch.Size(s).numel() for s in shapes)
@@ -124,9 +140,10 @@ def main() -> None:
             ratio = f"{r['dense_bytes'] / r['bytes_sent']:7.1f}x" if r["bytes_sent"] else "     n/a"
             print(f"{r['name']:28s} step {r['step_s'] * 1e3:8.1f} ms   sent/step {sent}   vs dense {ratio}", flush=True)
     if rank == 0:
-        replicas = mesh.size() if mesh is not None else 1
+        replicas = mesh["replicate"].size() if mesh is not None else 1
         print(
-            f"\n{n_params / 1e6:.1f}M parameters (T5-small shapes), {replicas} replica(s), "
+            f"\n{n_params / 1e6:.1f}M parameters (T5-small shapes), {replicas} replica(s) of "
+            f"{args.shard_processes} process(es), "
             f"{torch.get_num_threads()} threads per process"
         )
         if args.json:
