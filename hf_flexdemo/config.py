@@ -210,17 +210,23 @@ class FlexDeMoConfig:
 
     def _resolve_rules(self) -> None:
         """``update=None`` becomes the scheme's rule; ``elementwise_update=None`` the default one."""
-        if self.update is None:
+        unset = self.update is None
+        if unset:
             self.update = default_update(self.scheme, self.sign)
+        _check_choice("update", self.update, UPDATE_RULES)
         if self.elementwise_update is None:
             self.elementwise_update = DEFAULT_ELEMENTWISE_UPDATE if self.update == "orthogonal" else "sign"
             return
         _check_choice("elementwise_update", self.elementwise_update, ("sign", "adam"))
-        if self.elementwise_update != "sign" and self.update != "orthogonal":  # it would be ignored
+        if self.update != "orthogonal":  # it would be ignored
+            why = f" (the default on scheme={self.scheme!r}{' with sign=False' if not self.sign else ''})" if unset else ""
+            if default_update(self.scheme, self.sign) == "orthogonal":
+                fix = "drop elementwise_update, or set update='orthogonal'."
+            else:
+                fix = "drop elementwise_update (update='orthogonal' applies to schemes 'demo', 'full', 'none' with sign=True)."
             raise ValueError(
                 f"FlexDeMo: elementwise_update={self.elementwise_update!r} applies to update='orthogonal' (the rule "
-                f"of the tensors it does not orthogonalize), not update={self.update!r}; drop elementwise_update, "
-                "or set update='orthogonal'."
+                f"of the tensors it does not orthogonalize), but update is {self.update!r}{why}; {fix}"
             )
 
     def _check_shared_indices(self) -> None:
@@ -373,7 +379,7 @@ def _check_update_rule(update: str, sign: bool, scheme: str) -> None:
     if scheme in OUTER_STEP_SCHEMES:
         raise ValueError(
             f"FlexDeMo: update={update!r} applies to the per-step schemes {PER_STEP_SCHEMES}, not to "
-            f"scheme={scheme!r}, whose outer step is its own rule; leave update='sign'."
+            f"scheme={scheme!r}, whose outer step is its own rule; leave update unset (or 'sign')."
         )
     if not sign:
         raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -179,14 +180,16 @@ def test_the_default_rule_trains_like_its_explicit_settings():
 
 REFUSED = [
     (dict(update="lion"), "update='lion'", "'sign', 'adam', 'orthogonal'"),
-    (dict(update="adam", scheme="diloco"), "update='adam'", "leave update='sign'"),
-    (dict(update="orthogonal", scheme="sparseloco"), "per-step schemes", "leave update='sign'"),
+    (dict(update="adam", scheme="diloco"), "update='adam'", "leave update unset (or 'sign')"),
+    (dict(update="orthogonal", scheme="sparseloco"), "per-step schemes", "leave update unset (or 'sign')"),
     (dict(update="orthogonal", scheme="random"), "scattered subset", "scheme='demo' or 'full'"),
     (dict(update="adam", scheme="striding"), "scattered subset", "update='sign' with striding"),
     (dict(update="adam", sign=False), "sign=False", "drop sign=False"),
-    (dict(update="sign", elementwise_update="adam"), "elementwise_update='adam' applies to update='orthogonal'", "drop"),
-    (dict(update="adam", elementwise_update="adam"), "elementwise_update='adam' applies to update='orthogonal'", "drop"),
-    (dict(scheme="random", elementwise_update="adam"), "not update='sign'", "set update='orthogonal'"),
+    (dict(update="sign", elementwise_update="adam"), "but update is 'sign';", "or set update='orthogonal'"),
+    (dict(update="adam", elementwise_update="sign"), "but update is 'adam';", "or set update='orthogonal'"),
+    (dict(scheme="random", elementwise_update="adam"), "(the default on scheme='random')", "schemes 'demo', 'full'"),
+    (dict(sign=False, elementwise_update="sign"), "(the default on scheme='demo' with sign=False)", "with sign=True"),
+    (dict(update="lion", elementwise_update="adam"), "update='lion' is invalid", "'sign', 'adam', 'orthogonal'"),
     (dict(update="orthogonal", elementwise_update="lion"), "elementwise_update='lion'", "'sign', 'adam'"),
     (dict(update="orthogonal", elementwise_update="adam", betas=(0.9, 1.5)), "betas[1]=1.5", "[0.0, 1.0)"),
     (dict(update="adam", betas=(0.9, 1.0)), "betas[1]=1.0", "[0.0, 1.0)"),
@@ -268,3 +271,101 @@ def test_matrices_are_dealt_to_owners_largest_first_to_the_least_loaded():
     assert deal_owners([100, 10, 50, 50], 2) == [0, 0, 1, 1]  # loads 110 and 100
     assert deal_owners([5, 5, 5], 4) == [0, 1, 2]  # a process may own nothing
     assert deal_owners([], 2) == []
+
+
+def test_a_checkpoint_of_orthogonal_with_sign_for_the_rest_names_elementwise_update_on_resume():
+    """Saved with update=orthogonal when elementwise_update defaulted to sign; resumed with today's adam."""
+    params = make_params()
+    opt = FlexDeMo(params, **{**SMALL, "update": "orthogonal", "elementwise_update": "sign"}, elementwise=params[:1])
+    train(opt, params, 2)
+    saved = opt.state_dict()
+    fresh = make_params()
+    with pytest.raises(ValueError, match=r"update='sign', but this run sets update='adam'.*elementwise_update='sign'"):
+        FlexDeMo(fresh, **{**SMALL, "update": "orthogonal"}, elementwise=fresh[:1]).load_state_dict(saved)
+
+
+def test_elementwise_parameters_matter_only_to_the_orthogonal_rule():
+    params = make_params()
+    for update in ("adam", "sign"):  # every tensor takes the rule: no group with another
+        opt = FlexDeMo(params, update=update, elementwise=params[:1])
+        assert [group["update"] for group in opt.param_groups] == [update]
+
+
+def test_a_group_with_sign_false_keeps_the_sign_rule_when_update_is_left_unset():
+    params = make_params()
+    opt = FlexDeMo([{"params": params[:2]}, {"params": params[2:], "sign": False}], elementwise=[])
+    assert [group["update"] for group in opt.param_groups] == ["orthogonal", "sign"]
+    with pytest.raises(ValueError, match="sign=False applies to update='sign'"):  # a rule named for the optimizer
+        FlexDeMo([{"params": params[:2]}, {"params": params[2:], "sign": False}], update="orthogonal", elementwise=[])
+
+
+def test_the_default_rule_without_elementwise_parameters_says_what_it_orthogonalizes(caplog):
+    with caplog.at_level("WARNING", logger="hf_flexdemo.optim.flexdemo"):
+        FlexDeMo(make_params())
+    assert "embedding tables and output heads included" in caplog.text and "elementwise_parameters" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_flexdemo.optim.flexdemo"):
+        FlexDeMo(make_params(), elementwise=[])  # said: the model has none
+        FlexDeMo(make_params(), update="orthogonal")  # named: the user chose it
+    assert "embedding tables" not in caplog.text
+
+
+class ThreadedAllToAll:
+    """All-to-all among ``size`` threads, one per process of a node: a stand-in process group."""
+
+    def __init__(self, size: int):
+        self.size, self.barrier, self.posted, self.local = size, threading.Barrier(size), {}, threading.local()
+
+    def __call__(self, tensor, *, send, receive, group):
+        rank, call = self.local.rank, self.local.calls
+        self.local.calls += 1
+        assert sum(send) == tensor.numel()
+        self.posted[call, rank] = (tensor, send)
+        self.barrier.wait()
+        pieces = []
+        for source in range(self.size):
+            sent, sizes = self.posted[call, source]
+            assert sizes[rank] == receive[source], "sender and receiver disagree on a split"
+            pieces.append(sent[sum(sizes[:rank]) : sum(sizes[: rank + 1])])
+        self.barrier.wait()
+        return torch.cat(pieces)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "size"),
+    [
+        ([(5, 3)], 4),  # uneven shards, the last empty; three processes own nothing
+        ([(8, 8), (5, 3), (3, 7), (16, 2), (2, 9)], 4),  # fewer rows than processes
+        ([(10, 3)] * 7, 3),  # several matrices per owner
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_owner_orthogonalizes_whole_matrices_and_every_process_gets_its_rows(monkeypatch, shapes, size, dtype):
+    from types import SimpleNamespace
+
+    from hf_flexdemo.updates import orthogonal
+
+    fake = ThreadedAllToAll(size)
+    monkeypatch.setattr(orthogonal, "_all_to_all", fake)
+    g = torch.Generator().manual_seed(0)
+    wholes = [torch.randn(shape, generator=g).to(dtype) for shape in shapes]
+    rows_back = {}
+
+    def process(rank):
+        fake.local.rank, fake.local.calls = rank, 0
+        items = []
+        for whole in wholes:
+            chunks = torch.chunk(whole, size)  # FSDP2's row split
+            local = chunks[rank] if rank < len(chunks) else whole[:0]
+            slot = SimpleNamespace(state=SimpleNamespace(param=whole), param=local)
+            items.append(SimpleNamespace(slot=slot, update=local.reshape(-1)))
+        rows_back[rank] = orthogonal._orthogonalize_by_owner(items, None, size, rank)
+
+    threads = [threading.Thread(target=process, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i, whole in enumerate(wholes):
+        mine = torch.cat([rows_back[rank][i] for rank in range(size)])
+        assert torch.equal(mine, orthogonal.scaled_newton_schulz(whole))  # what one process computes alone

@@ -100,7 +100,7 @@ class FlexDeMoCallback(TrainerCallback):
         if topo.size == 1 and opt.managed is None and state.is_world_process_zero:
             logger.warning(
                 "FlexDeMo has 1 replica: nothing crosses nodes (byte figures stay 0) and each step applies the "
-                "sign of this replica's own update. Launch several nodes (parallelism_config_dp_replicate_size) "
+                "update rule to this replica's own update. Launch several nodes (parallelism_config_dp_replicate_size) "
                 "to replicate."
             )
         if state.is_world_process_zero:

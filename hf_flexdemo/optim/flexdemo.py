@@ -8,11 +8,12 @@ replication scheme picks travels. Per parameter and step (``demo`` scheme)::
     q   = top-k DCT coefficients of m (per tile)     the fast-moving components
     m  -= IDCT(q)                                    error feedback
     u   = IDCT(mean over replicas of q)              one packed all-gather per step
-    p  -= lr * sign(u)                               the group's update rule
+    p  -= lr * step(u)                               the group's update rule
 
 The replication step is pluggable (:mod:`hf_flexdemo.schemes`: ``demo``, ``random``,
 ``striding``, ``diloco``, ``sparseloco``, ``full`` and ``none``), and so is the update rule
-(:mod:`hf_flexdemo.updates`: ``sign``, ``adam``, ``orthogonal``).
+(:mod:`hf_flexdemo.updates`: ``orthogonal`` with ``adam`` for the rest by default, ``adam``,
+``sign``).
 """
 
 from __future__ import annotations
@@ -79,10 +80,11 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             process; with Accelerate or the Trainer, ``hf_flexdemo`` attaches it.
         replicate_dim: the mesh dimension that spans the nodes (default: ``dp_replicate``
             or ``replicate``, whichever the mesh has).
-        elementwise: parameters that take ``elementwise_update`` whatever their group says: the
-            embeddings and output heads under ``update='orthogonal'`` (the default where it applies;
-            the Trainer passes them, a plain-PyTorch program passes
-            ``hf_flexdemo.elementwise_parameters(model)``).
+        elementwise: under ``update='orthogonal'`` (the default where it applies), parameters that
+            take ``elementwise_update`` whatever their group says: the embeddings and output heads
+            (the Trainer passes them; a plain-PyTorch program passes
+            ``hf_flexdemo.elementwise_parameters(model)``). Other rules ignore it: they treat every
+            tensor alike.
 
     The other arguments are described in :class:`hf_flexdemo.FlexDeMoConfig`.
 
@@ -126,7 +128,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         quorum_timeout: float = 120.0,
         mesh: DeviceMesh | None = None,
         replicate_dim: str | None = None,
-        elementwise: Iterable[torch.Tensor] = (),
+        elementwise: Iterable[torch.Tensor] | None = None,
     ):
         self.config = FlexDeMoConfig(
             lr=lr,
@@ -158,8 +160,17 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             ft_timeout=ft_timeout,
             quorum_timeout=quorum_timeout,
         )
-        elementwise_groups = with_elementwise_groups(params, elementwise, self.config.elementwise_update)
-        super().__init__(elementwise_groups, self.config.group_defaults())
+        self._update_unset = update is None  # a group's sign=False then keeps the sign rule, as sign=False does
+        if self.config.update == "orthogonal":
+            if elementwise is None and self._update_unset:
+                logger.warning(
+                    "FlexDeMo: the default update='orthogonal' orthogonalizes every 2-D parameter's update, embedding "
+                    "tables and output heads included; pass elementwise=hf_flexdemo.elementwise_parameters(model) "
+                    "(or your model's tables and head) to give those the element-wise rule, as the Trainer does, or "
+                    "elementwise=[] if the model has none."
+                )
+            params = with_elementwise_groups(params, elementwise or (), self.config.elementwise_update)
+        super().__init__(params, self.config.group_defaults())
         self.scheme = build_scheme(self.config)
         self.rules = build_rules(self.config)
         self._topology: ReplicaTopology | None = None
@@ -179,6 +190,8 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
                 "for the whole optimizer: pass it to FlexDeMo(...) (or optim_args), or give the group its own "
                 "update='adam' or 'sign'."
             )
+        if "update" not in param_group and param_group.get("sign") is False and self._update_unset:
+            param_group = {**param_group, "update": "sign"}  # the raw decoded update: the sign rule's variant
         super().add_param_group(param_group)
         validate_group(
             self.param_groups[-1], scheme=self.config.scheme, elementwise_update=self.config.elementwise_update
@@ -371,7 +384,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         return self.rules[slot.group["update"]]
 
     def _apply_rules(self, decoded: list[Decoded], ctx: StepContext) -> None:
-        """Each rule takes its parameters together (``orthogonal`` gathers a node's shards in one go)."""
+        """Each rule takes its parameters together (``orthogonal`` moves a node's shards in two all-to-alls)."""
         by_rule: dict[str, list[Decoded]] = {}
         for item in decoded:
             by_rule.setdefault(item.slot.group["update"], []).append(item)
@@ -527,10 +540,13 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             )
         for was, group in zip(saved_rules, self.param_groups):
             if was != group["update"]:
+                # Under orthogonal, the other groups hold what it leaves to elementwise_update.
+                write = f"elementwise_update={was!r}" if "orthogonal" in saved_rules and was != "orthogonal" else ""
+                write = write or f"update={was!r}"
                 raise ValueError(
                     f"FlexDeMo: the checkpoint trained a group of {len(group['params'])} parameters with "
                     f"update={was!r}, but this run sets update={group['update']!r}; its state would not match. "
-                    f"Resume with update={was!r} (optim_args), or start a new run in another output_dir."
+                    f"Resume with {write} (optim_args), or start a new run in another output_dir."
                 )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -84,7 +84,7 @@ class DeMoScheme(MomentumScheme):
         return sent
 
     def empty_update(self, slot: ParamSlot) -> Decoded:
-        """An empty shard's update: the rule still sees it, since orthogonal gathers a node's shards."""
+        """An empty shard's update: the rule still sees it, since orthogonal moves a node's shards to their owners."""
         return Decoded(slot, slot.param.new_zeros(slot.param.shape, dtype=self.momentum(slot).dtype))
 
     def apply(self, slot: ParamSlot, received: list[list[torch.Tensor]], ctx: StepContext) -> Decoded | None:

@@ -1,13 +1,14 @@
 """Full sync and none: the two ends of the range, with the same update rule as the others.
 
 - ``full``: the whole momentum travels with a dense all-reduce. Everything is sent, so
-  error feedback empties the momentum and, with ``replicate_every=1``, each step is
-  ``p -= lr * sign(mean gradient)``: a dense gradient all-reduce, the baseline.
+  error feedback empties the momentum and, with ``replicate_every=1``, each step is the
+  update rule on the mean gradient (``p -= lr * sign(mean gradient)`` with ``update='sign'``):
+  a dense gradient all-reduce, the baseline.
 - ``none``: nothing leaves the node; each replica takes the same step from its own
   gradient. Replicas drift apart: use it for one node or as an ablation.
 
-One replica: both are ``p -= lr * sign(grad)`` (momentum accumulates between replication
-steps when ``replicate_every > 1``).
+One replica: both apply the update rule to the replica's own momentum (which accumulates
+between replication steps when ``replicate_every > 1``).
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ class OrthogonalRule(UpdateRule):
 
     def check_state(self, slot) -> None:
         if slot.state.param.dim() == 2:
-            _row_shards(slot.state.param)  # refuse a layout it cannot gather before anything moves
+            _row_shards(slot.state.param)  # refuse a layout it cannot deal out before anything moves
 
     @staticmethod
     def is_matrix(item: Decoded) -> bool:
