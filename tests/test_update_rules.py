@@ -369,3 +369,19 @@ def test_each_owner_orthogonalizes_whole_matrices_and_every_process_gets_its_row
     for i, whole in enumerate(wholes):
         mine = torch.cat([rows_back[rank][i] for rank in range(size)])
         assert torch.equal(mine, orthogonal.scaled_newton_schulz(whole))  # what one process computes alone
+
+
+def test_resuming_with_another_rule_for_norms_and_biases_is_refused():
+    """They share the orthogonal groups, so only their saved state tells which rule moved them."""
+    params = make_params()
+    opt = FlexDeMo(params, **{**SMALL, "update": "orthogonal", "elementwise_update": "sign"}, elementwise=[])
+    train(opt, params, 2)
+    saved = opt.state_dict()
+    with pytest.raises(ValueError, match=r"elementwise_update='sign', but this run sets elementwise_update='adam'"):
+        FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal"}, elementwise=[]).load_state_dict(saved)
+    same = FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal", "elementwise_update": "sign"}, elementwise=[])
+    same.load_state_dict(saved)
+    adam = FlexDeMo(params, **{**SMALL, "update": "orthogonal"}, elementwise=[])
+    train(adam, params, 1)
+    with pytest.raises(ValueError, match=r"elementwise_update='adam', but this run sets elementwise_update='sign'"):
+        same.load_state_dict(adam.state_dict())

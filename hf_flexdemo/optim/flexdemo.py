@@ -38,7 +38,7 @@ from ..topology import (
     parameter_fingerprint,
     replica_fingerprints,
 )
-from ..updates import UpdateRule, build_rules, with_elementwise_groups
+from ..updates import AdamRule, UpdateRule, build_rules, with_elementwise_groups
 from ..wire import (
     CommStats,
     Exchange,
@@ -549,8 +549,28 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
                     f"Resume with {write} (optim_args), or start a new run in another output_dir."
                 )
 
+    def _check_saved_elementwise_rule(self, state_dict: dict[str, Any]) -> None:
+        """Norms and biases share the orthogonal groups: their saved state tells which rule moved them."""
+        rule = self.rules["orthogonal"].elementwise
+        saved = [
+            state_dict["state"][pid]
+            for group, mine in zip(state_dict["param_groups"], self.param_groups)
+            if group.get("update") == "orthogonal"
+            for pid, param in zip(group["params"], mine["params"])
+            if param.dim() != 2 and state_dict["state"].get(pid)  # matrices keep no element-wise state
+        ]
+        kept = {key for state in saved for key in state} & set(AdamRule.state_keys)
+        was = "adam" if kept else "sign"
+        if saved and any("step" in state for state in saved) and was != rule.name:
+            raise ValueError(
+                f"FlexDeMo: the checkpoint moved what update='orthogonal' does not orthogonalize with "
+                f"elementwise_update={was!r}, but this run sets elementwise_update={rule.name!r}; its state would not "
+                f"match. Resume with elementwise_update={was!r} (optim_args), or start a new run in another output_dir."
+            )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._check_saved_rules(state_dict["param_groups"])
+        self._check_saved_elementwise_rule(state_dict)
         self._pending = None  # an exchange started before loading refers to the replaced state
         self._uncounted.clear()  # so do bytes not yet added to it
         self._verify_state = True
