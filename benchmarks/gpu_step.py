@@ -28,8 +28,8 @@ from hf_flexdemo import FlexDeMo
 from hf_flexdemo.wire import ring_all_reduce_bytes
 
 
-def model_shapes(name: str) -> list[torch.Size]:
-    """Parameter shapes of the named model, built on the meta device (no weights, no download)."""
+def model_shapes(name: str) -> tuple[list[torch.Size], int]:
+    """Parameter shapes of the named model, built on the meta device (no weights, no download), and its vocabulary."""
     from transformers import Olmo2Config, Olmo2ForCausalLM, T5Config, T5ForConditionalGeneration
 
     with torch.device("meta"):
@@ -48,7 +48,7 @@ def model_shapes(name: str) -> list[torch.Size]:
             model = Olmo2ForCausalLM(config)
         else:
             raise ValueError(f"--model={name!r} is invalid; choose 't5-small' or 'olmo2-1b'.")
-    return [p.shape for p in model.parameters()]
+    return [p.shape for p in model.parameters()], model.config.vocab_size
 
 
 def time_steps(step, steps: int, repeats: int) -> float:
@@ -85,7 +85,7 @@ def main() -> None:
         mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("replicate",))
     replicas = mesh.size() if mesh is not None else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    shapes = model_shapes(args.model)
+    shapes, vocab = model_shapes(args.model)
     g = torch.Generator(device="cuda").manual_seed(0)
     bf16 = dict(generator=g, device="cuda", dtype=torch.bfloat16)
     params = [torch.nn.Parameter(torch.randn(s, **bf16) * 0.02) for s in shapes]
@@ -97,12 +97,14 @@ def main() -> None:
         "adamw (fused)": None,
         "flexdemo demo": {"update": "sign"},
         "flexdemo demo bf16 values": {"value_dtype": "bf16", "update": "sign"},
+        "flexdemo demo (default rule)": {},  # orthogonal; embeddings and head take adam, as the Trainer does
     }
     for name, kwargs in configs.items():
         if kwargs is None:
             opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
         else:
-            opt = FlexDeMo(params, lr=1e-4, topk=args.topk, chunk=args.chunk, mesh=mesh, **kwargs)
+            tables = [p for p in params if p.shape[0] == vocab]  # the embedding and the head
+            opt = FlexDeMo(params, lr=1e-4, topk=args.topk, chunk=args.chunk, mesh=mesh, elementwise=tables, **kwargs)
 
         def step(opt=opt, adamw=kwargs is None):
             for p, grad in zip(params, grads):
