@@ -87,4 +87,5 @@ def test_t5_loss_is_not_scaled_by_processes_or_accumulation(launched):
 def test_model_card_names_flexdemo_and_its_settings(launched):
     line = launched["t5_flexdemo"][0]["model_card_optimizer"]
     assert line.startswith("FlexDeMo(scheme='demo', topk=8, chunk=16") and "2 nodes x 2 processes" in line
-    assert "adam" not in launched["t5_flexdemo"][0]["model_card_optimizer"].lower()
+    assert "update='orthogonal', elementwise_update='adam'" in line  # the default rule, resolved
+    assert "adamw" not in line.lower()
