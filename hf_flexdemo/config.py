@@ -219,11 +219,11 @@ class FlexDeMoConfig:
             return
         _check_choice("elementwise_update", self.elementwise_update, ("sign", "adam"))
         if self.update != "orthogonal":  # it would be ignored
-            why = f" (the default on scheme={self.scheme!r}{' with sign=False' if not self.sign else ''})" if unset else ""
-            if default_update(self.scheme, self.sign) == "orthogonal":
-                fix = "drop elementwise_update, or set update='orthogonal'."
-            else:
-                fix = "drop elementwise_update (update='orthogonal' applies to schemes 'demo', 'full', 'none' with sign=True)."
+            with_sign = " with sign=False" if not self.sign else ""
+            why = f" (the default on scheme={self.scheme!r}{with_sign})" if unset else ""
+            fix = "drop elementwise_update, or set update='orthogonal'."
+            if default_update(self.scheme, self.sign) != "orthogonal":
+                fix = "drop elementwise_update (update='orthogonal' applies to 'demo', 'full', 'none' with sign=True)."
             raise ValueError(
                 f"FlexDeMo: elementwise_update={self.elementwise_update!r} applies to update='orthogonal' (the rule "
                 f"of the tensors it does not orthogonalize), but update is {self.update!r}{why}; {fix}"
