@@ -598,8 +598,7 @@ def _rules(rules: list[str]) -> str:
 
 def _resume_hint(saved_rules: list[str]) -> str:
     """What to write for a checkpoint of one rule (those of several name theirs in the message)."""
-    rules = set(saved_rules)
-    return f" (update={saved_rules[0]!r} in optim_args)" if len(rules) == 1 else ""
+    return f" (update={saved_rules[0]!r} in optim_args)" if len(set(saved_rules)) == 1 else ""
 
 
 def unwrap_flexdemo(optimizer) -> FlexDeMo | None:
