@@ -132,6 +132,7 @@ class ManagedReplicas:
         self._round_open = False
         self._met = False  # whether a quorum has formed yet
         self._uncommitted = 0  # steps in a row not committed
+        self._why_uncommitted = ""  # why the last step did not commit
         self._failed_joins = 0  # quorums in a row this node failed to join
         self._state_fns: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self._healed = False
@@ -391,6 +392,7 @@ class ManagedReplicas:
             why = f"{live} live node(s), fewer than min_replicas={self.config.min_replicas}"
         else:
             why = "another process of this node failed the step"
+        self._why_uncommitted = why
         if self._uncommitted > MAX_UNCOMMITTED:
             raise FaultToleranceError(
                 f"FlexDeMo fault tolerance: {self.identity.name} could not commit {self._uncommitted} steps in a row "
@@ -406,6 +408,20 @@ class ManagedReplicas:
                 why,
             )
         return False
+
+    def check_trained(self) -> None:
+        """At the end of training: a node that failed every step it ran trained nothing, an error, not a quiet exit.
+
+        A run shorter than the streak :meth:`commit` stops at would otherwise end as if it had trained.
+        """
+        if self._settled or not self._uncommitted:
+            return
+        raise FaultToleranceError(
+            f"FlexDeMo fault tolerance: {self.identity.name} finished training without committing a step "
+            f"(last: {self._why_uncommitted}); its parameters are where they started. If too few nodes were live, "
+            f"start the Lighthouse with --min_replicas {self.config.min_replicas} (the job's min_replicas) so that "
+            f"nodes wait for each other. {lighthouse_status(self.identity.lighthouse)}."
+        )
 
     def report(self, error: Exception) -> None:
         self.manager.report_error(error)

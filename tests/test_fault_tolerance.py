@@ -223,15 +223,32 @@ def test_live_replicas_that_drift_apart_stop_with_replica_drift_error(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_scheme_none_trains_each_node_alone(lighthouse, tmp_path):
-    # min_replicas=2: both nodes are in every quorum (a slow start must not let node 0 finish the job alone).
-    # update=sign: with the default orthogonal rule both nodes ended identical in one run (open, see issue notes).
-    flags = [*TINY, "--max_steps", "6", *ft_args(",scheme=none,min_replicas=2,update=sign")]
-    nodes = nodes_of(2, lighthouse, tmp_path, *flags, processes=1)
-    for node in nodes:
-        node.start()
-    finish(nodes)
-    assert nodes[0].result(0)["fingerprint"] != nodes[1].result(0)["fingerprint"]  # by design
+def test_scheme_none_trains_each_node_alone(tmp_path):
+    # The Lighthouse waits for both nodes: a node that starts alone must not run its steps in a quorum of one.
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log", min_replicas=2)
+    try:
+        flags = [*TINY, "--max_steps", "6", *ft_args(",scheme=none,min_replicas=2")]
+        nodes = nodes_of(2, lighthouse, tmp_path, *flags, processes=1)
+        for node in nodes:
+            node.start()
+        finish(nodes)
+    finally:
+        lighthouse.stop()
+    results = [node.result(0) for node in nodes]
+    assert results[0]["committed"] == results[1]["committed"] >= 6  # every step committed by both
+    assert results[0]["fingerprint"] != results[1]["fingerprint"]  # by design
+
+
+@pytest.mark.faults
+def test_a_node_that_commits_no_step_fails(lighthouse, tmp_path):
+    # The Lighthouse forms quorums of one (its --min_replicas 1) and the job needs two: every step fails to
+    # commit, in a run shorter than the streak that stops a node. It must not exit as if it had trained.
+    flags = [*TINY, "--max_steps", "3", *ft_args(",min_replicas=2")]
+    node = nodes_of(2, lighthouse, tmp_path, *flags, processes=1)[0]
+    node.start()
+    assert node.wait(180) != 0
+    assert "node0 finished training without committing a step" in node.log()
+    assert "--min_replicas 2" in node.log()
 
 
 # -- bad input and bad luck ----------------------------------------------------------------

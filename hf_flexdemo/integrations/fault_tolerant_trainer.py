@@ -154,6 +154,9 @@ class NodePosition(TrainerCallback):
         if self.epoch_offset:
             state.epoch += self.epoch_offset
 
+    def on_train_end(self, args, state, control, **kw):
+        self.replicas.check_trained()
+
     def on_save(self, args, state, control, **kw):
         if args.should_save:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
