@@ -7,8 +7,13 @@ chosen by a sweep on seed 0 (the rates in ``SWEEPS``; best final validation loss
 then every seed runs at that rate. Bytes per step are node 0's (`flexdemo/bytes_sent_per_step`);
 AdamW-HSDP's are the dense ring all-reduce of the same gradients (`flexdemo/dense_bytes`).
 
-Wall-clock at a link rate is modelled as the measured time of a step (this machine, loopback;
-the fastest of the configuration's runs) plus the bytes at the rate: `t = compute + 8 * bytes / rate`.
+Wall-clock at a link rate is modelled as the measured time of a step (this machine, loopback)
+plus the bytes at the rate: `t = compute + 8 * bytes / rate`. The time of a step is the fastest
+of the configuration's runs, or with ``--retime N`` the median of N short runs without
+evaluations, every configuration's taken in turns so that all see the same machine::
+
+    .venv/bin/python benchmarks/quality_study.py --model olmo2 --steps 250 --configs adamw_hsdp demo_ortho_adam \
+        --retime 3 --out benchmarks/results/quality_olmo2
 
     .venv/bin/python benchmarks/quality_study.py --model olmo2 --steps 250 --seeds 0 1 2 \\
         --out benchmarks/results/quality_olmo2
@@ -58,6 +63,8 @@ SIGN_CONFIGS = {
     "demo_4bit": "value_bits=4,pack_indices=true",
     "demo_2bit": "value_bits=2,pack_indices=true",
     "demo_top16_2bit": "topk=16,value_bits=2,pack_indices=true",
+    # Between the 2-bit default wire (~250x) and top 16 (~480x): about 350x.
+    "demo_top24_2bit": "topk=24,value_bits=2,pack_indices=true",
     # Twice demo's coefficients at 2 bits: about bf16's bytes, spent on more of the momentum.
     "demo_top64_2bit": "topk=64,value_bits=2,pack_indices=true",
     "demo_aggressive": "topk=4,chunk=64,value_bits=1,pack_indices=true",
@@ -67,7 +74,7 @@ SIGN_CONFIGS = {
     "random": "scheme=random",
     "striding": "scheme=striding",
 }
-RULE_WIRES = ("demo", "full", "demo_2bit", "demo_top64_2bit", "demo_top16_2bit", "demo_aggressive")
+RULE_WIRES = ("demo", "full", "demo_2bit", "demo_top64_2bit", "demo_top24_2bit", "demo_top16_2bit", "demo_aggressive")
 """The wire formats that the update rules (hf_flexdemo.updates) run on."""
 CONFIGS = {
     "adamw_hsdp": ("adamw_torch", ""),
@@ -91,7 +98,8 @@ CONFIGS = {
 # and `demo`'s best; the `demo` wire formats run at `demo`'s best (on OLMo2 they end within a
 # few tenths of a percent of each other at either rate), DiLoCo and SparseLoCo get their own.
 SIGN_UPDATE = (4e-3, 8e-3)
-AT_DEMOS_T5_RATE = ("demo_bf16", "demo_sign", "demo_4bit", "demo_2bit", "demo_top16_2bit", "demo_top64_2bit")
+AT_DEMOS_T5_RATE = ("demo_bf16", "demo_sign", "demo_4bit", "demo_2bit", "demo_top16_2bit", "demo_top24_2bit")
+AT_DEMOS_T5_RATE += ("demo_top64_2bit",)
 AT_DEMOS_T5_RATE += ("demo_aggressive", "demo_shared", "full", "random", "striding")
 UPDATE_RULE_CONFIGS = tuple(name for name in CONFIGS if name.endswith(("_adam", "_ortho")))
 UPDATE_RULE_RATES = (4e-3, 8e-3, 1.6e-2)
@@ -106,7 +114,7 @@ SWEEPS = {
         **dict.fromkeys(UPDATE_RULE_CONFIGS, UPDATE_RULE_RATES),
         "demo_ortho_adam": (2e-3, 4e-3, 8e-3),  # 1.6e-2 ended 3.8% above 4e-3's loss in the first sweep
         **dict.fromkeys(("demo", "demo_sign", "demo_2bit", "demo_top16_2bit", "demo_aggressive"), SIGN_UPDATE),
-        "demo_top64_2bit": SIGN_UPDATE,  # not run on OLMo2
+        **dict.fromkeys(("demo_top64_2bit", "demo_top24_2bit"), SIGN_UPDATE),  # not run on OLMo2
         # Run last: they took demo's best without a sweep.
         **dict.fromkeys(("demo_bf16", "demo_4bit", "demo_shared", "full", "random", "striding"), (8e-3,)),
         "diloco": (1e-3, 1.5e-3),
@@ -159,7 +167,10 @@ def base_model(study_dir: Path) -> Path:
     return base
 
 
-def run(model: str, name: str, lr: float, seed: int, steps: int, work: Path, batch: int, base: Path | None) -> dict:
+def run(
+    model: str, name: str, lr: float, seed: int, steps: int, work: Path, batch: int, base: Path | None, timing=False
+) -> dict:
+    """One training run; ``timing``: no evaluations, only the time per step is kept."""
     optim, optim_args = CONFIGS[name]
     out = work / f"{model}_{name}_lr{lr:g}_s{seed}"
     eval_every = max(steps // 10, 1)
@@ -167,9 +178,12 @@ def run(model: str, name: str, lr: float, seed: int, steps: int, work: Path, bat
     args = [
         "--max_steps", str(steps), "--seed", str(seed),
         "--learning_rate", str(lr), "--optim", optim, "--logging_steps", str(eval_every),
-        "--eval_strategy", "steps", "--eval_steps", str(eval_every), "--save_strategy", "no",
-        "--report_to", "none", "--warmup_steps", str(steps // 20), "--max_eval_samples", "128",
+        "--save_strategy", "no", "--report_to", "none", "--warmup_steps", str(steps // 20),
     ]  # fmt: skip
+    if timing:
+        args += ["--eval_strategy", "no"]
+    else:
+        args += ["--eval_strategy", "steps", "--eval_steps", str(eval_every), "--max_eval_samples", "128"]
     args += [flag.format(base=base) for flag in flags]
     if batch:
         args += ["--per_device_train_batch_size", str(batch)]
@@ -178,9 +192,11 @@ def run(model: str, name: str, lr: float, seed: int, steps: int, work: Path, bat
     started = time.time()
     launch(script, args, out)
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    train = next(h for h in history if "train_runtime" in h)
+    if timing:
+        return {"model": model, "config": name, "lr": lr, "steps": steps, "step_s": train["train_runtime"] / steps}
     evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h and h["step"] <= steps]
     logged = [h for h in history if "flexdemo/bytes_sent" in h]
-    train = next(h for h in history if "train_runtime" in h)
     result = {
         "model": model, "config": name, "lr": lr, "seed": seed, "steps": steps,
         "eval_curve": evals, "final_eval_loss": evals[-1][1],
@@ -233,6 +249,28 @@ def study(args) -> None:
                 runs.get(args.model, name, best["lr"], seed, args.steps, Path(tmp), args.batch, base)
 
 
+def retime(args, runs: Runs) -> None:
+    """``--retime N``: N short runs of each configuration at its chosen rate, taken in turns, so that
+    every configuration's compute per step is timed under the same conditions (the median is reported).
+    Resumable like the study: ``<out>/timings.json``."""
+    table = summarize([i for i in runs.items if i["model"] == args.model])
+    names = [name for name in args.configs if (args.model, name) in table]
+    path = args.out / "timings.json"
+    timings = json.loads(path.read_text()) if path.exists() else []
+    done = {(t["model"], t["config"], t["lr"], t["steps"], t["rep"]) for t in timings}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.retime):
+            for name in names:
+                lr = table[(args.model, name)]["lr"]
+                if (args.model, name, lr, args.retime_steps, rep) in done:
+                    continue
+                base = base_model(args.out) if "{base}" in PRESETS[args.model][1] else None
+                item = run(args.model, name, lr, 0, args.retime_steps, Path(tmp), args.batch, base, timing=True)
+                timings.append(item | {"rep": rep})
+                path.write_text(json.dumps(timings, indent=1))
+                print(f"timing {args.model} {name} lr={lr:g} #{rep}: {item['step_s']:.3f} s/step", flush=True)
+
+
 def swept_rates(model: str, name: str, items: list[dict], steps: int) -> tuple[float, ...]:
     """The rates ``name`` runs on seed 0: its sweep, or the rate orthogonal + adam chose on DeMo's default wire."""
     if name in AT_ORTHO_ADAMS_RATE:
@@ -243,8 +281,11 @@ def swept_rates(model: str, name: str, items: list[dict], steps: int) -> tuple[f
     return SWEEPS[model][name]
 
 
-def summarize(items: list[dict]) -> dict[str, dict]:
-    """Per (model, config): the seeds at the chosen (best-on-seed-0) learning rate."""
+def summarize(items: list[dict], timings: list[dict] = ()) -> dict[str, dict]:
+    """Per (model, config): the seeds at the chosen (best-on-seed-0) learning rate.
+
+    The compute per step is the median of the ``--retime`` runs where there are any, else the
+    fastest of the chosen runs (other work on this machine only ever slows a step down)."""
     table = {}
     for key in sorted({(i["model"], i["config"]) for i in items}):
         mine = [i for i in items if (i["model"], i["config"]) == key]
@@ -258,10 +299,13 @@ def summarize(items: list[dict]) -> dict[str, dict]:
             "seeds": len(chosen),
             "loss_mean": statistics.mean(losses),
             "loss_spread": (max(losses) - min(losses)) / 2,
-            # The least disturbed of its runs: other work on this machine only ever slows a step down.
             "step_s": min(i["step_s"] for i in chosen),
+            "timed": "fastest run",
             "runs": chosen,
         }
+        timed = [t["step_s"] for t in timings if (t["model"], t["config"], t["lr"]) == (*key, lr)]
+        if timed:
+            row["step_s"], row["timed"] = statistics.median(timed), f"median of {len(timed)}"
         for score in ("bleu", "chrf"):
             if all(score in i for i in chosen):
                 values = [i[score] for i in chosen]
@@ -315,7 +359,8 @@ def report(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table = summarize(json.loads((out / "runs.json").read_text()))
+    timings = json.loads((out / "timings.json").read_text()) if (out / "timings.json").exists() else []
+    table = summarize(json.loads((out / "runs.json").read_text()), timings)
     lines = []
     for model in sorted({m for m, _ in table}):
         rows = {name: row for (m, name), row in table.items() if m == model}
@@ -335,7 +380,7 @@ def report(out: Path) -> None:
                 f"| {name} | {row['lr']:g} ({swept}) | {row['seeds']} "
                 f"| {row['loss_mean']:.4f} +- {row['loss_spread']:.4f} "
                 f"| {row.get('vs_adamw', float('nan')):+.1%} |{scores} {row.get('bytes_per_step', float('nan')):,.0f} "
-                f"| {row.get('ratio_to_dense', float('nan')):.0f} | {row['step_s']:.3f} "
+                f"| {row.get('ratio_to_dense', float('nan')):.0f} | {row['step_s']:.3f} ({row['timed']}) "
                 f"| {modelled_step(row, '100mbit'):.3f}, {modelled_step(row, '1gbit'):.3f} "
                 f"| {'not reached' if reach is None else f'{reach:.2f}'} |"
             )
@@ -379,12 +424,22 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality")
     parser.add_argument("--report", type=Path, help="only write the table and plots of this study directory")
+    parser.add_argument(
+        "--retime",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the study, time each of --configs N times at its chosen rate, in turns (timings.json)",
+    )
+    parser.add_argument("--retime_steps", type=int, default=40, help="steps of each timing run")
     args = parser.parse_args()
     args.rates = {k: tuple(float(v) for v in lrs.split(":")) for k, _, lrs in (r.partition("=") for r in args.rates)}
     if args.report:
         report(args.report)
         return
     study(args)
+    if args.retime:
+        retime(args, Runs(args.out / "runs.json"))
     report(args.out)
 
 
