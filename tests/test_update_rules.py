@@ -268,9 +268,9 @@ def test_elementwise_update_in_a_parameter_group_is_refused():
 def test_matrices_are_dealt_to_owners_largest_first_to_the_least_loaded():
     from hf_flexdemo.updates.orthogonal import deal_owners
 
-    assert deal_owners([100, 10, 50, 50], 2) == [0, 0, 1, 1]  # loads 110 and 100
-    assert deal_owners([5, 5, 5], 4) == [0, 1, 2]  # a process may own nothing
-    assert deal_owners([], 2) == []
+    assert deal_owners((100, 10, 50, 50), 2) == (0, 0, 1, 1)  # loads 110 and 100
+    assert deal_owners((5, 5, 5), 4) == (0, 1, 2)  # a process may own nothing
+    assert deal_owners((), 2) == ()
 
 
 def test_a_checkpoint_of_orthogonal_with_sign_for_the_rest_names_elementwise_update_on_resume():

@@ -25,6 +25,7 @@ the same update, so replicas stay bitwise identical.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 
@@ -114,7 +115,8 @@ def scaled_newton_schulz(whole: torch.Tensor) -> torch.Tensor:
     return newton_schulz(whole).mul_(math.sqrt(max(rows, cols)))
 
 
-def deal_owners(numels: list[int], size: int) -> list[int]:
+@functools.lru_cache(maxsize=16)  # the same shapes every step: dealt once per group
+def deal_owners(numels: tuple[int, ...], size: int) -> tuple[int, ...]:
     """Each matrix's owner among ``size`` processes: largest first, to the least loaded (ties: lowest rank).
 
     Depends on the shapes alone, so every process and every replica deals alike.
@@ -124,7 +126,7 @@ def deal_owners(numels: list[int], size: int) -> list[int]:
         owner = min(range(size), key=lambda rank: (load[rank], rank))
         owners[index] = owner
         load[owner] += numels[index]
-    return owners
+    return tuple(owners)
 
 
 def _orthogonalize_by_owner(items: list[Decoded], group: dist.ProcessGroup, size: int, rank: int) -> list[torch.Tensor]:
@@ -136,7 +138,7 @@ def _orthogonalize_by_owner(items: list[Decoded], group: dist.ProcessGroup, size
     shapes = [tuple(item.slot.state.param.shape) for item in items]
     per_rank = [math.ceil(rows / size) for rows, _ in shapes]
     block = [per * cols for per, (_, cols) in zip(per_rank, shapes)]  # one padded shard, in entries
-    owners = deal_owners([rows * cols for rows, cols in shapes], size)
+    owners = deal_owners(tuple(rows * cols for rows, cols in shapes), size)
     owned_by = [[i for i, owner in enumerate(owners) if owner == q] for q in range(size)]
     shards = []
     for item, per, (_, cols) in zip(items, per_rank, shapes):
