@@ -98,3 +98,32 @@ def test_the_sign_configurations_name_their_rule_whatever_the_default():
     for name, (optim, args) in CONFIGS.items():
         if optim == "flexdemo" and "scheme=diloco" not in args and "scheme=sparseloco" not in args:
             assert "update=" in args, name
+
+
+def test_retiming_takes_every_configuration_in_turns_and_reports_the_median(tmp_path, monkeypatch):
+    import argparse
+
+    import quality_study
+
+    items = [run("adamw_hsdp", 2e-3, 0, 3.0) | {"steps": 10}, run("demo", 8e-3, 0, 3.3, sent=40) | {"steps": 10}]
+    (tmp_path / "runs.json").write_text(quality_study.json.dumps(items))
+    timed = iter([0.30, 0.20, 0.36, 0.22, 0.31, 0.90])
+    calls = []
+
+    def fake_run(model, name, lr, seed, steps, work, batch, base, timing=False):
+        calls.append((name, lr, steps, timing))
+        return {"model": model, "config": name, "lr": lr, "steps": steps, "step_s": next(timed)}
+
+    monkeypatch.setattr(quality_study, "run", fake_run)
+    args = argparse.Namespace(model="t5", configs=["adamw_hsdp", "demo"], out=tmp_path, retime=3, retime_steps=7, batch=0)
+    quality_study.retime(args, quality_study.Runs(tmp_path / "runs.json"))
+    assert [c[0] for c in calls] == ["adamw_hsdp", "demo"] * 3  # in turns, not one after the other
+    chosen = {"adamw_hsdp": 2e-3, "demo": 8e-3}
+    assert all(lr == chosen[name] and steps == 7 and timing for name, lr, steps, timing in calls)
+    quality_study.retime(args, quality_study.Runs(tmp_path / "runs.json"))
+    assert len(calls) == 6  # resumed: nothing timed twice
+    timings = quality_study.json.loads((tmp_path / "timings.json").read_text())
+    table = summarize(items, timings)
+    assert table["t5", "adamw_hsdp"]["step_s"] == pytest.approx(0.31)
+    assert table["t5", "demo"]["step_s"] == pytest.approx(0.22)  # the median: one disturbed run does not count
+    assert table["t5", "demo"]["timed"] == "median of 3" and summarize(items)["t5", "demo"]["timed"] == "fastest run"
