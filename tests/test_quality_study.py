@@ -115,7 +115,8 @@ def test_retiming_takes_every_configuration_in_turns_and_reports_the_median(tmp_
         return {"model": model, "config": name, "lr": lr, "steps": steps, "step_s": next(timed)}
 
     monkeypatch.setattr(quality_study, "run", fake_run)
-    args = argparse.Namespace(model="t5", configs=["adamw_hsdp", "demo"], out=tmp_path, retime=3, retime_steps=7, batch=0)
+    configs = ["adamw_hsdp", "demo"]
+    args = argparse.Namespace(model="t5", configs=configs, out=tmp_path, retime=3, retime_steps=7, batch=0)
     quality_study.retime(args, quality_study.Runs(tmp_path / "runs.json"))
     assert [c[0] for c in calls] == ["adamw_hsdp", "demo"] * 3  # in turns, not one after the other
     chosen = {"adamw_hsdp": 2e-3, "demo": 8e-3}
