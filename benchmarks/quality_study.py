@@ -12,7 +12,7 @@ plus the bytes at the rate: `t = compute + 8 * bytes / rate`. The time of a step
 of the configuration's runs, or with ``--retime N`` the median of N short runs without
 evaluations, every configuration's taken in turns so that all see the same machine::
 
-    .venv/bin/python benchmarks/quality_study.py --model olmo2 --steps 250 --configs adamw_hsdp demo_ortho_adam \
+    .venv/bin/python benchmarks/quality_study.py --model olmo2 --steps 250 --configs adamw_hsdp demo_ortho_adam \\
         --retime 3 --out benchmarks/results/quality_olmo2
 
     .venv/bin/python benchmarks/quality_study.py --model olmo2 --steps 250 --seeds 0 1 2 \\
@@ -99,8 +99,7 @@ CONFIGS = {
 # few tenths of a percent of each other at either rate), DiLoCo and SparseLoCo get their own.
 SIGN_UPDATE = (4e-3, 8e-3)
 AT_DEMOS_T5_RATE = ("demo_bf16", "demo_sign", "demo_4bit", "demo_2bit", "demo_top16_2bit", "demo_top24_2bit")
-AT_DEMOS_T5_RATE += ("demo_top64_2bit",)
-AT_DEMOS_T5_RATE += ("demo_aggressive", "demo_shared", "full", "random", "striding")
+AT_DEMOS_T5_RATE += ("demo_top64_2bit", "demo_aggressive", "demo_shared", "full", "random", "striding")
 UPDATE_RULE_CONFIGS = tuple(name for name in CONFIGS if name.endswith(("_adam", "_ortho")))
 UPDATE_RULE_RATES = (4e-3, 8e-3, 1.6e-2)
 """The rules take steps of about a sign step's size per entry: swept around sign's best (OLMo2's 8e-3),
@@ -258,13 +257,13 @@ def retime(args, runs: Runs) -> None:
     path = args.out / "timings.json"
     timings = json.loads(path.read_text()) if path.exists() else []
     done = {(t["model"], t["config"], t["lr"], t["steps"], t["rep"]) for t in timings}
+    base = base_model(args.out) if "{base}" in PRESETS[args.model][1] else None
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.retime):
             for name in names:
                 lr = table[(args.model, name)]["lr"]
                 if (args.model, name, lr, args.retime_steps, rep) in done:
                     continue
-                base = base_model(args.out) if "{base}" in PRESETS[args.model][1] else None
                 item = run(args.model, name, lr, 0, args.retime_steps, Path(tmp), args.batch, base, timing=True)
                 timings.append(item | {"rep": rep})
                 path.write_text(json.dumps(timings, indent=1))
