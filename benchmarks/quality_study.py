@@ -43,6 +43,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -107,11 +108,15 @@ extended downwards where the best sat at the bottom."""
 AT_ORTHO_ADAMS_RATE = tuple(f"{wire}_ortho_adam" for wire in RULE_WIRES if wire not in ("demo", "full"))
 """Wire formats with the orthogonal + adam rule: run at demo_ortho_adam's chosen rate, found by its sweep in
 the same study (as the sign wire formats at demo's on T5). Their ``SWEEPS`` entry is the fallback."""
+AT_DEMOS_RULE_RATE = {f"full_{rule}": f"demo_{rule}" for rule in ("adam", "ortho", "ortho_adam")}
+"""The uncompressed wire with a rule: run at the rate the rule chose on DeMo's wire, so that the two rows
+differ only in the compression."""
 SWEEPS = {
     "olmo2": {
         "adamw_hsdp": (2e-3, 4e-3, 8e-3),
         **dict.fromkeys(UPDATE_RULE_CONFIGS, UPDATE_RULE_RATES),
         "demo_ortho_adam": (2e-3, 4e-3, 8e-3),  # 1.6e-2 ended 3.8% above 4e-3's loss in the first sweep
+        "demo_adam": (2e-3, 4e-3, 8e-3),  # steps of Adam's size per entry: around AdamW-HSDP's best
         **dict.fromkeys(("demo", "demo_sign", "demo_2bit", "demo_top16_2bit", "demo_aggressive"), SIGN_UPDATE),
         **dict.fromkeys(("demo_top64_2bit", "demo_top24_2bit"), SIGN_UPDATE),  # not run on OLMo2
         # Run last: they took demo's best without a sweep.
@@ -123,6 +128,7 @@ SWEEPS = {
         "adamw_hsdp": (1e-3, 2e-3, 4e-3, 8e-3),
         **dict.fromkeys(UPDATE_RULE_CONFIGS, UPDATE_RULE_RATES),
         "demo_ortho_adam": (2e-3, 4e-3, 8e-3, 1.6e-2),  # 8e-3 won at the top of 2e-3..8e-3
+        "demo_adam": (2e-3, 4e-3, 8e-3),
         "demo": (2e-3, 4e-3, 8e-3),
         **dict.fromkeys(AT_DEMOS_T5_RATE, (4e-3,)),
         "diloco": (1e-3, 2e-3),
@@ -130,7 +136,8 @@ SWEEPS = {
     },
     # Fine-tuning: swept from 2.5e-4 (fine-tuning often wants small steps) up to where the loss turns
     # (8e-3 won at the top of 2.5e-4..8e-3 for AdamW-HSDP, demo and orthogonal + adam, hence 1.6e-2).
-    "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2) for name in CONFIGS},
+    "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2) for name in CONFIGS}
+    | dict.fromkeys(("demo_adam", "demo_ortho"), (4e-3, 8e-3, 1.6e-2)),  # where the others' best (8e-3) lay
 }
 
 
@@ -148,8 +155,16 @@ BASE_MODEL += ["--max_steps", "300", "--warmup_steps", "15", "--seed", "0", "--s
 """olmo2_ft's base: AdamW-HSDP on the standard library's docstrings (its best pretraining rate on OLMo2)."""
 
 
+def free_port() -> int:
+    """A loopback port nobody listens on now: a study beside other jobs must not take their rendezvous port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launch(script: str, args: list[str], out: Path) -> None:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG)]
+    cmd += ["--main_process_port", str(free_port())]
     cmd += [str(ROOT / "training_scripts" / script), "--preset", "offline", "--output_dir", str(out), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
@@ -271,9 +286,10 @@ def retime(args, runs: Runs) -> None:
 
 
 def swept_rates(model: str, name: str, items: list[dict], steps: int) -> tuple[float, ...]:
-    """The rates ``name`` runs on seed 0: its sweep, or the rate orthogonal + adam chose on DeMo's default wire."""
-    if name in AT_ORTHO_ADAMS_RATE:
-        key = (model, "demo_ortho_adam", 0, steps)
+    """The rates ``name`` runs on seed 0: its sweep, or the rate its rule chose on DeMo's default wire."""
+    chooser = "demo_ortho_adam" if name in AT_ORTHO_ADAMS_RATE else AT_DEMOS_RULE_RATE.get(name)
+    if chooser:
+        key = (model, chooser, 0, steps)
         chosen = [i for i in items if (i["model"], i["config"], i["seed"], i["steps"]) == key]
         if chosen:
             return (min(chosen, key=lambda r: r["final_eval_loss"])["lr"],)

@@ -94,6 +94,14 @@ def test_the_rules_wire_formats_run_at_the_rate_orthogonal_adam_chose_in_the_sam
     assert swept_rates("t5", "demo_ortho_adam", items, 360) == SWEEPS["t5"]["demo_ortho_adam"]
 
 
+def test_the_uncompressed_wire_runs_at_the_rate_its_rule_chose_on_demos_wire():
+    from quality_study import swept_rates
+
+    items = [run("demo_adam", lr, 0, loss) | {"steps": 250} for lr, loss in ((2e-3, 3.9), (4e-3, 3.7), (8e-3, 3.8))]
+    assert swept_rates("t5", "full_adam", items, 250) == (4e-3,)
+    assert swept_rates("t5", "full_ortho_adam", items, 250) == SWEEPS["t5"]["full_ortho_adam"]  # not chosen yet
+
+
 def test_the_sign_configurations_name_their_rule_whatever_the_default():
     for name, (optim, args) in CONFIGS.items():
         if optim == "flexdemo" and "scheme=diloco" not in args and "scheme=sparseloco" not in args:
