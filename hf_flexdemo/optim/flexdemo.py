@@ -38,7 +38,13 @@ from ..topology import (
     parameter_fingerprint,
     replica_fingerprints,
 )
-from ..updates import AdamRule, UpdateRule, build_rules, with_elementwise_groups
+from ..updates import (
+    UpdateRule,
+    build_rules,
+    check_saved_elementwise_rule,
+    check_saved_rules,
+    with_elementwise_groups,
+)
 from ..wire import (
     CommStats,
     Exchange,
@@ -525,52 +531,9 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         self._flush_counters()
         return super().state_dict()
 
-    def _check_saved_rules(self, saved_groups: list[dict[str, Any]]) -> None:
-        """A resumed run keeps the update rule it was trained with: torch would silently restore the saved one."""
-        # Checkpoints from before the setting took sign steps.
-        saved_rules = [saved.get("update", "sign") for saved in saved_groups]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"FlexDeMo: the checkpoint holds {len(saved_groups)} parameter groups trained with "
-                f"update={_rules(saved_rules)}, but this run has {len(self.param_groups)} with "
-                f"update={_rules([g['update'] for g in self.param_groups])}; update='orthogonal' (the default on "
-                "demo, full and none) puts embeddings and heads in groups of their own. Resume with the update and "
-                f"elementwise_update the checkpoint was trained with{_resume_hint(saved_rules)}, or start a new run "
-                "in another output_dir."
-            )
-        for was, group in zip(saved_rules, self.param_groups):
-            if was != group["update"]:
-                # Under orthogonal, the other groups hold what it leaves to elementwise_update.
-                write = f"elementwise_update={was!r}" if "orthogonal" in saved_rules and was != "orthogonal" else ""
-                write = write or f"update={was!r}"
-                raise ValueError(
-                    f"FlexDeMo: the checkpoint trained a group of {len(group['params'])} parameters with "
-                    f"update={was!r}, but this run sets update={group['update']!r}; its state would not match. "
-                    f"Resume with {write} (optim_args), or start a new run in another output_dir."
-                )
-
-    def _check_saved_elementwise_rule(self, state_dict: dict[str, Any]) -> None:
-        """Norms and biases share the orthogonal groups: their saved state tells which rule moved them."""
-        rule = self.rules["orthogonal"].elementwise
-        saved = [
-            state_dict["state"][pid]
-            for group, mine in zip(state_dict["param_groups"], self.param_groups)
-            if group.get("update") == "orthogonal"
-            for pid, param in zip(group["params"], mine["params"])
-            if param.dim() != 2 and state_dict["state"].get(pid)  # matrices keep no element-wise state
-        ]
-        kept = {key for state in saved for key in state} & set(AdamRule.state_keys)
-        was = "adam" if kept else "sign"
-        if saved and any("step" in state for state in saved) and was != rule.name:
-            raise ValueError(
-                f"FlexDeMo: the checkpoint moved what update='orthogonal' does not orthogonalize with "
-                f"elementwise_update={was!r}, but this run sets elementwise_update={rule.name!r}; its state would not "
-                f"match. Resume with elementwise_update={was!r} (optim_args), or start a new run in another output_dir."
-            )
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._check_saved_rules(state_dict["param_groups"])
-        self._check_saved_elementwise_rule(state_dict)
+        check_saved_rules(state_dict["param_groups"], self.param_groups)
+        check_saved_elementwise_rule(state_dict, self.param_groups, self.rules["orthogonal"].elementwise.name)
         self._pending = None  # an exchange started before loading refers to the replaced state
         self._uncounted.clear()  # so do bytes not yet added to it
         self._verify_state = True
@@ -589,16 +552,6 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
                 current = self.state[p].get(key)
                 if torch.is_tensor(value) and torch.is_tensor(current) and value.dtype != current.dtype:
                     self.state[p][key] = value.to(device=current.device, copy=True)
-
-
-def _rules(rules: list[str]) -> str:
-    """``'sign'``, or ``'orthogonal'/'adam'`` for groups of several rules."""
-    return "/".join(repr(rule) for rule in dict.fromkeys(rules))
-
-
-def _resume_hint(saved_rules: list[str]) -> str:
-    """What to write for a checkpoint of one rule (those of several name theirs in the message)."""
-    return f" (update={saved_rules[0]!r} in optim_args)" if len(set(saved_rules)) == 1 else ""
 
 
 def unwrap_flexdemo(optimizer) -> FlexDeMo | None:

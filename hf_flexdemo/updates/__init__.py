@@ -23,6 +23,7 @@ from .adam import AdamRule
 from .base import Decoded, UpdateRule
 from .groups import elementwise_parameters, with_elementwise_groups
 from .orthogonal import OrthogonalRule, newton_schulz
+from .resume import check_saved_elementwise_rule, check_saved_rules
 from .sign import SignRule
 
 RULE_CLASSES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (SignRule, AdamRule, OrthogonalRule)}
@@ -41,6 +42,8 @@ __all__ = [
     "SignRule",
     "UpdateRule",
     "build_rules",
+    "check_saved_elementwise_rule",
+    "check_saved_rules",
     "elementwise_parameters",
     "newton_schulz",
     "with_elementwise_groups",

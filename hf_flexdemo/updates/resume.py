@@ -1,0 +1,65 @@
+"""A resumed run keeps the update rules its checkpoint was trained with.
+
+torch's ``load_state_dict`` restores the saved groups' ``update`` silently, and a rule's state
+(adam's second moment) means nothing to another rule: a mismatch is refused, naming what to write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .adam import AdamRule
+
+
+def check_saved_rules(saved_groups: list[dict[str, Any]], param_groups: list[dict[str, Any]]) -> None:
+    """A resumed run keeps the update rule it was trained with: torch would silently restore the saved one."""
+    # Checkpoints from before the setting took sign steps.
+    saved_rules = [saved.get("update", "sign") for saved in saved_groups]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(
+            f"FlexDeMo: the checkpoint holds {len(saved_groups)} parameter groups trained with "
+            f"update={_rules(saved_rules)}, but this run has {len(param_groups)} with "
+            f"update={_rules([g['update'] for g in param_groups])}; update='orthogonal' (the default on "
+            "demo, full and none) puts embeddings and heads in groups of their own. Resume with the update and "
+            f"elementwise_update the checkpoint was trained with{_resume_hint(saved_rules)}, or start a new run "
+            "in another output_dir."
+        )
+    for was, group in zip(saved_rules, param_groups):
+        if was != group["update"]:
+            # Under orthogonal, the other groups hold what it leaves to elementwise_update.
+            write = f"elementwise_update={was!r}" if "orthogonal" in saved_rules and was != "orthogonal" else ""
+            write = write or f"update={was!r}"
+            raise ValueError(
+                f"FlexDeMo: the checkpoint trained a group of {len(group['params'])} parameters with "
+                f"update={was!r}, but this run sets update={group['update']!r}; its state would not match. "
+                f"Resume with {write} (optim_args), or start a new run in another output_dir."
+            )
+
+
+def check_saved_elementwise_rule(state_dict: dict[str, Any], param_groups: list[dict[str, Any]], rule: str) -> None:
+    """Norms and biases share the orthogonal groups: their saved state tells which rule moved them."""
+    saved = [
+        state_dict["state"][pid]
+        for group, mine in zip(state_dict["param_groups"], param_groups)
+        if group.get("update") == "orthogonal"
+        for pid, param in zip(group["params"], mine["params"])
+        if param.dim() != 2 and state_dict["state"].get(pid)  # matrices keep no element-wise state
+    ]
+    kept = {key for state in saved for key in state} & set(AdamRule.state_keys)
+    was = "adam" if kept else "sign"
+    if saved and any("step" in state for state in saved) and was != rule:
+        raise ValueError(
+            f"FlexDeMo: the checkpoint moved what update='orthogonal' does not orthogonalize with "
+            f"elementwise_update={was!r}, but this run sets elementwise_update={rule!r}; its state would not "
+            f"match. Resume with elementwise_update={was!r} (optim_args), or start a new run in another output_dir."
+        )
+
+
+def _rules(rules: list[str]) -> str:
+    """``'sign'``, or ``'orthogonal'/'adam'`` for groups of several rules."""
+    return "/".join(repr(rule) for rule in dict.fromkeys(rules))
+
+
+def _resume_hint(saved_rules: list[str]) -> str:
+    """What to write for a checkpoint of one rule (those of several name theirs in the message)."""
+    return f" (update={saved_rules[0]!r} in optim_args)" if len(set(saved_rules)) == 1 else ""
