@@ -18,7 +18,7 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install --quiet -e ".[test]"
+	$(PYTHON) -m pip install --quiet -e ".[test,bench]"
 	touch $(STAMP)
 
 $(LOWEST_STAMP): setup.cfg pyproject.toml constraints/lowest.txt

@@ -137,7 +137,7 @@ SWEEPS = {
     # Fine-tuning: swept from 2.5e-4 (fine-tuning often wants small steps) up to where the loss turns
     # (8e-3 won at the top of 2.5e-4..8e-3 for AdamW-HSDP, demo and orthogonal + adam, hence 1.6e-2).
     "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2) for name in CONFIGS}
-    | dict.fromkeys(("demo_adam", "demo_ortho"), (4e-3, 8e-3, 1.6e-2)),  # where the others' best (8e-3) lay
+    | {"demo_adam": (2e-3, 4e-3, 8e-3, 1.6e-2), "demo_ortho": (4e-3, 8e-3, 1.6e-2)},  # about the others' best (8e-3)
 }
 
 
@@ -368,6 +368,14 @@ def time_to_baseline(row: dict, baseline: dict, rate: str = "100mbit") -> float 
     return None if reached is None else reached * modelled_step(row, rate) / whole
 
 
+def check_plotting() -> None:
+    """The report plots with matplotlib (the ``bench`` extra): said before hours of runs, not after them."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit(f"quality_study: the report's plots need matplotlib; run {sys.executable} -m pip install -e '.[bench]'")
+
+
 def report(out: Path) -> None:
     import matplotlib
 
@@ -449,6 +457,7 @@ def main() -> None:
     parser.add_argument("--retime_steps", type=int, default=40, help="steps of each timing run")
     args = parser.parse_args()
     args.rates = {k: tuple(float(v) for v in lrs.split(":")) for k, _, lrs in (r.partition("=") for r in args.rates)}
+    check_plotting()
     if args.report:
         report(args.report)
         return
