@@ -136,3 +136,12 @@ def test_retiming_takes_every_configuration_in_turns_and_reports_the_median(tmp_
     assert table["t5", "adamw_hsdp"]["step_s"] == pytest.approx(0.31)
     assert table["t5", "demo"]["step_s"] == pytest.approx(0.22)  # the median: one disturbed run does not count
     assert table["t5", "demo"]["timed"] == "median of 3" and summarize(items)["t5", "demo"]["timed"] == "fastest run"
+
+
+def test_a_missing_matplotlib_is_said_before_the_runs_with_the_install_line(monkeypatch):
+    from quality_study import check_plotting
+
+    check_plotting()  # installed by make's venv (the bench extra)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the extra looks like
+    with pytest.raises(SystemExit, match=r"pip install -e '\.\[bench\]'"):
+        check_plotting()
