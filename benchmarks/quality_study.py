@@ -116,7 +116,7 @@ SWEEPS = {
         "adamw_hsdp": (2e-3, 4e-3, 8e-3),
         **dict.fromkeys(UPDATE_RULE_CONFIGS, UPDATE_RULE_RATES),
         "demo_ortho_adam": (2e-3, 4e-3, 8e-3),  # 1.6e-2 ended 3.8% above 4e-3's loss in the first sweep
-        "demo_adam": (2e-3, 4e-3, 8e-3),  # steps of Adam's size per entry: around AdamW-HSDP's best
+        "demo_adam": (2e-3, 4e-3, 8e-3, 1.6e-2),  # steps of Adam's size per entry: around AdamW-HSDP's best
         **dict.fromkeys(("demo", "demo_sign", "demo_2bit", "demo_top16_2bit", "demo_aggressive"), SIGN_UPDATE),
         **dict.fromkeys(("demo_top64_2bit", "demo_top24_2bit"), SIGN_UPDATE),  # not run on OLMo2
         # Run last: they took demo's best without a sweep.
@@ -128,7 +128,7 @@ SWEEPS = {
         "adamw_hsdp": (1e-3, 2e-3, 4e-3, 8e-3),
         **dict.fromkeys(UPDATE_RULE_CONFIGS, UPDATE_RULE_RATES),
         "demo_ortho_adam": (2e-3, 4e-3, 8e-3, 1.6e-2),  # 8e-3 won at the top of 2e-3..8e-3
-        "demo_adam": (2e-3, 4e-3, 8e-3),
+        "demo_adam": (4e-3, 8e-3, 1.6e-2),  # 2e-3 ended last on OLMo2
         "demo": (2e-3, 4e-3, 8e-3),
         **dict.fromkeys(AT_DEMOS_T5_RATE, (4e-3,)),
         "diloco": (1e-3, 2e-3),
