@@ -7,8 +7,11 @@ AdamW-HSDP baseline), a second resumes the T5 FlexDeMo run from its step-4 check
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
-from support.accelerate_runs import accelerate_launch, losses, read_run
+from support.accelerate_runs import COMMON, TRAINER_WORKER, accelerate_launch, launch_command, losses, read_run
+from support.launch import child_env
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,6 +26,12 @@ def launched(tmp_path_factory):
     accelerate_launch(resumed, "t5:flexdemo", "--resume_from_checkpoint", str(out / "t5_flexdemo" / "checkpoint-4"))
     results = {name: read_run(out, name) for name in RUNS}
     results["resumed"] = read_run(resumed, "t5_flexdemo")
+    # The same checkpoint (the default rule) resumed with DeMo's sign rule: refused before torch's loader runs.
+    other = tmp_path_factory.mktemp("other_rule")
+    flags = [*COMMON, "--optim_args", "topk=8,chunk=16,update=sign"]
+    cmd = launch_command(TRAINER_WORKER, "--runs", "t5:flexdemo", "--output_dir", str(other), *flags)
+    cmd += ["--resume_from_checkpoint", str(out / "t5_flexdemo" / "checkpoint-4")]
+    results["other_rule"] = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=600)
     return results
 
 
@@ -75,6 +84,15 @@ def test_resume_continues_the_same_loss_curve(launched):
     for a, b in zip(launched["t5_flexdemo"], launched["resumed"]):
         assert a["replica_fingerprints"] == b["replica_fingerprints"]
         assert a["flexdemo_counted_bytes"] == b["flexdemo_counted_bytes"]
+
+
+def test_resuming_a_sharded_checkpoint_with_another_rule_is_refused_with_what_to_write(launched):
+    proc = launched["other_rule"]
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("was trained with the adam rule") == 1, out[-3000:]  # said once, by the first process
+    assert "Resume with update=adam, or update=orthogonal,elementwise_update=adam" in out
+    assert "Missing key" not in out and "CheckpointException" not in out
 
 
 def test_t5_loss_is_not_scaled_by_processes_or_accumulation(launched):

@@ -385,3 +385,48 @@ def test_resuming_with_another_rule_for_norms_and_biases_is_refused():
     train(adam, params, 1)
     with pytest.raises(ValueError, match=r"elementwise_update='adam', but this run sets elementwise_update='sign'"):
         same.load_state_dict(adam.state_dict())
+
+
+def _sharded_checkpoint(tmp_path, **hp):
+    """A distributed checkpoint of FlexDeMo's state as Accelerate writes FSDP's (``optimizer_0``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    opt = FlexDeMo(model.parameters(), lr=1e-2, elementwise=[], **hp)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    folder = tmp_path / "checkpoint-1" / "optimizer_0"
+    dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(folder))
+    return folder.parent
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed", "write"),
+    [
+        ({"update": "sign"}, {}, "Resume with update=sign, or update=orthogonal,elementwise_update=sign"),
+        ({}, {"update": "sign"}, "Resume with update=adam, or update=orthogonal,elementwise_update=adam"),
+        ({"update": "adam"}, {"elementwise_update": "sign"}, "Resume with update=adam"),
+    ],
+)
+def test_a_sharded_checkpoint_of_other_rules_is_refused_before_torchs_loader_fails_or_drops_state(
+    tmp_path, saved, resumed, write
+):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from hf_flexdemo.integrations.trainer import _check_resumed_rules
+
+    checkpoint = _sharded_checkpoint(tmp_path, **saved)
+    config = FlexDeMoConfig(**resumed)
+    with pytest.raises(ValueError, match=rf"checkpoint {checkpoint} was trained with .*{write}"):
+        _check_resumed_rules(checkpoint, config)
+    _check_resumed_rules(checkpoint, FlexDeMoConfig(**saved))  # the same rules resume
+    if saved == {"update": "sign"}:
+        # What the refusal stands in front of: torch's loader asks for adam state the checkpoint lacks.
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        opt = FlexDeMo(model.parameters(), lr=1e-2, elementwise=[], **resumed)
+        with pytest.raises(CheckpointException):
+            dcp.load({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(checkpoint / "optimizer_0"))

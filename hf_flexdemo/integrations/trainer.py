@@ -22,6 +22,7 @@ import enum
 import functools
 import logging
 import types
+from pathlib import Path
 from typing import Any
 
 import transformers.trainer
@@ -30,7 +31,7 @@ from transformers.training_args import OptimizerNames
 from .. import elastic
 from ..config import FlexDeMoConfig
 from ..optim import FlexDeMo, unwrap_flexdemo
-from ..updates import elementwise_parameters
+from ..updates import check_saved_state_keys, elementwise_parameters
 from ._patching import wrap_method
 from .callback import FlexDeMoCallback
 from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
@@ -144,12 +145,29 @@ def _trainer_train(original, self, resume_from_checkpoint=None, *args, **kwargs)
     overwrite = getattr(self.args, "overwrite_output_dir", None)  # transformers 4.x only
     # Also refuses an unwritable output_dir.
     resume = resolve_resume(self.args.output_dir, resume_from_checkpoint, overwrite=overwrite)
-    if resume is not None and is_flexdemo(self.args) and FlexDeMoConfig(**flexdemo_kwargs(self.args)).fault_tolerant:
-        from .fault_tolerant_trainer import resume_node
+    if resume is not None and is_flexdemo(self.args):
+        config = FlexDeMoConfig(**flexdemo_kwargs(self.args))
+        _check_resumed_rules(Path(resume), config)
+        if config.fault_tolerant:
+            from .fault_tolerant_trainer import resume_node
 
-        resume_node(self, resume)
+            resume_node(self, resume)
     with storage_errors(self.args.output_dir):
         return original(self, resume, *args, **kwargs)
+
+
+def _check_resumed_rules(checkpoint: Path, config: FlexDeMoConfig) -> None:
+    """A sharded checkpoint's update rules against this run's, before torch's loader fails or drops state.
+
+    Accelerate writes FSDP's sharded optimizer state as a distributed checkpoint in ``optimizer_0``
+    (a full state dict reaches ``FlexDeMo.load_state_dict``, which checks it there)."""
+    folder = checkpoint / "optimizer_0"
+    if not (folder / ".metadata").is_file():
+        return
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    check_saved_state_keys(keys, config.update, config.elementwise_update, where=str(checkpoint))
 
 
 def _card_hyperparameters(original, trainer) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from .adam import AdamRule
 from .base import Decoded, UpdateRule
 from .groups import elementwise_parameters, with_elementwise_groups
 from .orthogonal import OrthogonalRule, newton_schulz
-from .resume import check_saved_elementwise_rule, check_saved_rules
+from .resume import check_saved_elementwise_rule, check_saved_rules, check_saved_state_keys
 from .sign import SignRule
 
 RULE_CLASSES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (SignRule, AdamRule, OrthogonalRule)}
@@ -44,6 +44,7 @@ __all__ = [
     "build_rules",
     "check_saved_elementwise_rule",
     "check_saved_rules",
+    "check_saved_state_keys",
     "elementwise_parameters",
     "newton_schulz",
     "with_elementwise_groups",

@@ -6,9 +6,10 @@ torch's ``load_state_dict`` restores the saved groups' ``update`` silently, and 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from .adam import AdamRule
+from .adam import SECOND_MOMENT, AdamRule
 
 
 def check_saved_rules(saved_groups: list[dict[str, Any]], param_groups: list[dict[str, Any]]) -> None:
@@ -53,6 +54,40 @@ def check_saved_elementwise_rule(state_dict: dict[str, Any], param_groups: list[
             f"elementwise_update={was!r}, but this run sets elementwise_update={rule!r}; its state would not "
             f"match. Resume with elementwise_update={was!r} (optim_args), or start a new run in another output_dir."
         )
+
+
+def keeps_adam_state(update: str, elementwise_update: str) -> bool:
+    """Whether a run with these settings keeps adam's state (every HF model has norms or embeddings)."""
+    return update == "adam" or (update == "orthogonal" and elementwise_update == "adam")
+
+
+def check_saved_state_keys(keys: Iterable[str], update: str, elementwise_update: str, where: str) -> None:
+    """Before a sharded (distributed-checkpoint) resume, from the keys the checkpoint's metadata lists.
+
+    torch's loader asks the checkpoint for the state this run's rules create: a missing adam state
+    fails as a raw ``Missing key`` deep in the load, and adam state the run does not ask for is dropped
+    silently. Both are refused here, before training, with what to write.
+    """
+    keys = [key for key in keys if ".state." in key]
+    if not keys:  # saved before the first step: no rule's state yet
+        return
+    saved = any(key.endswith(f".{SECOND_MOMENT}") for key in keys)
+    if saved == keeps_adam_state(update, elementwise_update):
+        return
+    run = f"update={update!r}" + (f", elementwise_update={elementwise_update!r}" if update == "orthogonal" else "")
+    if saved:
+        was, write = "the adam rule (update='adam', or 'orthogonal' with elementwise_update='adam', the default)", (
+            "update=adam, or update=orthogonal,elementwise_update=adam (the default: drop both)"
+        )
+    else:
+        was, write = "no adam state (update='sign', or 'orthogonal' with elementwise_update='sign')", (
+            "update=sign, or update=orthogonal,elementwise_update=sign"
+        )
+    raise ValueError(
+        f"FlexDeMo: the checkpoint {where} was trained with {was}, but this run sets {run}; its state would not "
+        f"match. Resume with {write} in optim_args, as the checkpoint was trained, or start a new run in another "
+        "output_dir."
+    )
 
 
 def _rules(rules: list[str]) -> str:

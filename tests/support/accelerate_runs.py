@@ -20,9 +20,11 @@ def launch_command(*script_and_args: str, config: str = "cpu_2x2.yaml") -> list[
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_path, *script_and_args]
 
 
+TRAINER_WORKER = str(TESTS_DIR / "workers" / "trainer_worker.py")
+
+
 def accelerate_launch(output_dir: Path, runs: str, *extra: str, timeout: float = 900):
-    worker = str(TESTS_DIR / "workers" / "trainer_worker.py")
-    cmd = launch_command(worker, "--runs", runs, "--output_dir", str(output_dir), *COMMON, *extra)
+    cmd = launch_command(TRAINER_WORKER, "--runs", runs, "--output_dir", str(output_dir), *COMMON, *extra)
     return run_checked(cmd, timeout=timeout, env=child_env())
 
 
