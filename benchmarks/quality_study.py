@@ -128,7 +128,7 @@ SWEEPS = {
         "adamw_hsdp": (1e-3, 2e-3, 4e-3, 8e-3),
         **dict.fromkeys(UPDATE_RULE_CONFIGS, UPDATE_RULE_RATES),
         "demo_ortho_adam": (2e-3, 4e-3, 8e-3, 1.6e-2),  # 8e-3 won at the top of 2e-3..8e-3
-        "demo_adam": (4e-3, 8e-3, 1.6e-2),  # 2e-3 ended last on OLMo2
+        "demo_adam": (2e-3, 4e-3, 8e-3, 1.6e-2),
         "demo": (2e-3, 4e-3, 8e-3),
         **dict.fromkeys(AT_DEMOS_T5_RATE, (4e-3,)),
         "diloco": (1e-3, 2e-3),
