@@ -56,7 +56,7 @@ def check_saved_elementwise_rule(state_dict: dict[str, Any], param_groups: list[
         )
 
 
-def keeps_adam_state(update: str, elementwise_update: str) -> bool:
+def _keeps_adam_state(update: str, elementwise_update: str) -> bool:
     """Whether a run with these settings keeps adam's state (every HF model has norms or embeddings)."""
     return update == "adam" or (update == "orthogonal" and elementwise_update == "adam")
 
@@ -72,17 +72,15 @@ def check_saved_state_keys(keys: Iterable[str], update: str, elementwise_update:
     if not keys:  # saved before the first step: no rule's state yet
         return
     saved = any(key.endswith(f".{SECOND_MOMENT}") for key in keys)
-    if saved == keeps_adam_state(update, elementwise_update):
+    if saved == _keeps_adam_state(update, elementwise_update):
         return
     run = f"update={update!r}" + (f", elementwise_update={elementwise_update!r}" if update == "orthogonal" else "")
     if saved:
-        was, write = "the adam rule (update='adam', or 'orthogonal' with elementwise_update='adam', the default)", (
-            "update=adam, or update=orthogonal,elementwise_update=adam (the default: drop both)"
-        )
+        was = "the adam rule (update='adam', or 'orthogonal' with elementwise_update='adam', the default)"
+        write = "update=adam, or update=orthogonal,elementwise_update=adam (the default: drop both)"
     else:
-        was, write = "no adam state (update='sign', or 'orthogonal' with elementwise_update='sign')", (
-            "update=sign, or update=orthogonal,elementwise_update=sign"
-        )
+        was = "no adam state (update='sign', or 'orthogonal' with elementwise_update='sign')"
+        write = "update=sign, or update=orthogonal,elementwise_update=sign"
     raise ValueError(
         f"FlexDeMo: the checkpoint {where} was trained with {was}, but this run sets {run}; its state would not "
         f"match. Resume with {write} in optim_args, as the checkpoint was trained, or start a new run in another "
