@@ -17,6 +17,9 @@ import torch
 from .compression import DECODE_MODES, VALUE_BITS
 
 SCHEMES = ("demo", "random", "striding", "diloco", "sparseloco", "full", "none")
+NS_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "float32": torch.float32}
+"""Newton-Schulz's arithmetic (update='orthogonal')."""
+
 VALUE_DTYPES: dict[str, torch.dtype | None] = {
     "param": None,
     "bf16": torch.bfloat16,
@@ -73,6 +76,13 @@ class FlexDeMoConfig:
         metadata={
             "help": "update='orthogonal': the rule of what it does not orthogonalize (norms, biases, embeddings, "
             "heads), 'adam' (None: the default, as Muon leaves them to AdamW) or 'sign'."
+        },
+    )
+    ns_dtype: str = field(
+        default="bf16",
+        metadata={
+            "help": "update='orthogonal': dtype of the Newton-Schulz iteration, 'bf16' (as Muon; tensor cores on a "
+            "GPU) or 'float32'. The update is normalised in float32 first, so tiny updates stay exact in scale."
         },
     )
     decode: str = field(
@@ -162,6 +172,7 @@ class FlexDeMoConfig:
         self._resolve_rules()
         validate_group(dataclasses.asdict(self), scheme=self.scheme, elementwise_update=self.elementwise_update)
         _check_choice("decode", self.decode, DECODE_MODES)
+        _check_choice("ns_dtype", self.ns_dtype, tuple(NS_DTYPES))
         _check_choice("value_dtype", self.value_dtype, tuple(VALUE_DTYPES))
         _check_int("replicate_every", self.replicate_every, low=1)
         if self.replicate_every != 1 and self.scheme not in PER_STEP_SCHEMES:
@@ -246,6 +257,31 @@ class FlexDeMoConfig:
                     f"(float64 for float64 parameters). Set {name}={write}, or shared_indices=False for DeMo's "
                     "all-gather."
                 )
+
+    def acting_settings(self) -> tuple[str, ...]:
+        """The names of the settings this configuration reads, in the order a summary lists them.
+
+        A setting the scheme or the update rule ignores is left out (``sign`` next to
+        ``update='orthogonal'``, ``topk`` on ``scheme='full'``), so that a line built from these
+        says what the run does. ``lr``, ``weight_decay`` and the torchft settings are left to
+        the caller.
+        """
+        if self.scheme == "diloco":
+            keys = ["scheme", "inner_steps", "outer_lr", "outer_momentum", "betas", "value_dtype"]
+        elif self.scheme == "sparseloco":
+            keys = ["scheme", "inner_steps", "topk", "chunk", "outer_lr", "outer_momentum", "betas", "value_dtype"]
+        else:
+            keys = ["scheme", *(("topk", "chunk") if self.scheme == "demo" else ()), "decay", "update"]
+            keys += ["sign"] if self.update == "sign" else []  # sign=False: the decoded update as it is
+            keys += ["elementwise_update"] if self.update == "orthogonal" else []
+            keys += ["ns_dtype"] if self.update == "orthogonal" and self.ns_dtype != "bf16" else []
+            keys += ["decode"] if self.scheme == "demo" and not self.shared_indices else []  # shared: a sum
+            keys += ["rate"] if self.scheme in SUBSET_SCHEMES else []
+            keys += ["value_dtype", "replicate_every"] if self.scheme != "none" else []  # none sends nothing
+        keys += [key for key in ("overlap", "value_bits", "pack_indices", "shared_indices") if getattr(self, key)]
+        if self.rounding != "nearest":
+            keys.append("rounding")
+        return tuple(keys)
 
     @property
     def fault_tolerant(self) -> bool:

@@ -124,3 +124,20 @@ def test_adam_betas_matter_only_where_an_adam_rule_reads_them():
 def test_a_fraction_with_a_zero_denominator_is_refused_clearly():
     with pytest.raises(ValueError, match=r"rate='1/0' divides by zero; write a fraction like 1/128"):
         parse_optim_args("scheme=random,rate=1/0")
+
+
+@pytest.mark.parametrize(
+    "kwargs,acting,ignored",
+    [
+        (dict(), ["update", "elementwise_update", "topk", "decode"], ["sign", "rate"]),  # orthogonal: sign is unread
+        (dict(update="adam"), ["update", "topk"], ["sign", "elementwise_update"]),
+        (dict(update="sign", sign=False), ["update", "sign"], ["elementwise_update"]),
+        (dict(scheme="full"), ["update", "value_dtype"], ["topk", "chunk", "decode", "sign"]),
+        (dict(scheme="random"), ["rate", "sign"], ["topk", "chunk", "decode"]),
+        (dict(scheme="none"), ["decay", "update"], ["value_dtype", "replicate_every", "topk"]),
+        (dict(scheme="diloco"), ["inner_steps", "outer_lr"], ["decay", "update", "sign", "topk"]),
+    ],
+)
+def test_a_summary_lists_the_settings_that_act(kwargs, acting, ignored):
+    keys = FlexDeMoConfig(**kwargs).acting_settings()
+    assert set(acting) <= set(keys) and not set(ignored) & set(keys), keys

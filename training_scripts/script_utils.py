@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import logging
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from hf_flexdemo.integrations.checkpoints import (
     newest_complete,
     storage_errors,
 )
-from hf_flexdemo.integrations.trainer import describe, is_flexdemo, layout, node_label
+from hf_flexdemo.integrations.trainer import describe, is_flexdemo, layout, node_count, node_label
 from hf_flexdemo.wire import ring_all_reduce_bytes
 
 logger = logging.getLogger(__name__)
@@ -82,7 +81,7 @@ def parse_arguments(
         raise ValueError(f"--preset={preset!r} is invalid; choose one of {sorted(presets)}.")
     parser = HfArgumentParser(types)
     base = OFFLINE_DEFAULTS if preset == "offline" else {}
-    parser.set_defaults(**{"optim": "flexdemo", **common, **base, **presets[preset]})
+    parser.set_defaults(**{"optim": "flexdemo", **machine_defaults(), **common, **base, **presets[preset]})
     parsed = parser.parse_args_into_dataclasses(args=argv)
     for args in parsed:
         if isinstance(args, TrainingArguments):
@@ -96,6 +95,15 @@ def parse_arguments(
             # Before the model is built: every process must start from the same random weights.
             set_seed(args.seed)
     return parsed
+
+
+def machine_defaults() -> dict[str, Any]:
+    """What this machine needs whatever the preset: no pinned memory without an accelerator.
+
+    torch's DataLoader warns on every process that pinning needs an accelerator; the Trainer's
+    default (``dataloader_pin_memory=True``) would make every CPU run print it.
+    """
+    return {"dataloader_pin_memory": torch.accelerator.is_available()}
 
 
 def hide_token(args: TrainingArguments) -> None:
@@ -376,11 +384,14 @@ def print_summary(trainer: Trainer, metrics: dict[str, float], headline: Sequenc
     node = node_label(trainer)
     print(f"\n== {Path(trainer.args.output_dir).name}: {trainer.state.global_step} steps on {layout(trainer)}")
     print(f"   {shown}")
-    if is_flexdemo(trainer.args):
-        ratio = figures["dense"] / figures["sent"] if figures["sent"] else math.inf
+    flexdemo = f" with {describe(trainer.args)}" if is_flexdemo(trainer.args) else ""
+    if node_count(trainer) == 1:
+        print(f"   one node{flexdemo}: nothing crosses nodes, so no inter-node bytes to compare with AdamW with HSDP")
+    elif flexdemo:
+        ratio = f" ({figures['dense'] / figures['sent']:.0f}x more)" if figures["sent"] else ""
         print(
-            f"   inter-node bytes sent by {node}: {_bytes(figures['sent'])} with {describe(trainer.args)}; "
-            f"AdamW with HSDP would have sent {_bytes(figures['dense'])} ({ratio:.0f}x more)"
+            f"   inter-node bytes sent by {node}: {_bytes(figures['sent'])}{flexdemo}; "
+            f"AdamW with HSDP would have sent {_bytes(figures['dense'])}{ratio}"
         )
     else:
         print(f"   inter-node bytes sent by {node} (dense all-reduce): {_bytes(figures['dense'])}")

@@ -24,7 +24,9 @@ its methods (idempotently, once per process; ``import hf_flexdemo`` calls it):
   multi-process job is refused. Under FSDP2 it also makes T5-style tied embedding
   modules one module, which FSDP2 requires; keeps Accelerate from sharding an input
   embedding twice when its block is auto-wrapped already (ViT); flags the model as
-  FSDP-managed so that ``generate`` keeps all ranks stepping together; and silences
+  FSDP-managed so that ``generate`` keeps all ranks stepping together; makes FSDP2
+  blocks return copies of view tensors (T5's position bias), which an in-place op would
+  cut off from the block's backward all-gather; and silences
   torch's deprecation warning about Accelerate's own lookup of a flattened mesh dimension
   for other optimizers' HSDP (harmless on torch 2.13, see :func:`_quiet_flattened_mesh_slicing`).
 
@@ -53,6 +55,7 @@ from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 from torch.distributed.device_mesh import init_device_mesh
 
 from .. import elastic
+from ..fsdp import clone_view_outputs
 from ..optim import FlexDeMo, unwrap_flexdemo
 from ._patching import wrap_method
 
@@ -188,13 +191,18 @@ def _contains(module: torch.nn.Module, target: torch.nn.Module) -> bool:
     return any(child is target for child in module.modules())
 
 
-def _mark_fsdp_managed(result) -> None:
-    """transformers turns on ``synced_gpus`` in ``generate`` only for modules with this flag,
+def _after_fully_shard(result) -> None:
+    """The prepared models: flagged as FSDP-managed, and with no view tensor among their blocks' outputs.
+
+    transformers turns on ``synced_gpus`` in ``generate`` only for modules with the flag,
     which its own FSDP2 path sets and Accelerate's does not; without it, ranks that stop
-    decoding at different steps leave FSDP's all-gathers waiting forever."""
+    decoding at different steps leave FSDP's all-gathers waiting forever. A view returned by
+    an FSDP2 block (T5's position bias) would lose the block's backward all-gather to an
+    in-place op after it (:func:`~hf_flexdemo.fsdp.clone_view_outputs`)."""
     for obj in result if isinstance(result, (tuple, list)) else (result,):
         if isinstance(obj, torch.nn.Module):
             obj._is_fsdp_managed_module = True
+            clone_view_outputs(obj)
 
 
 FLATTENED_SLICE_WARNING = "Slicing a flattened dim from root mesh"
@@ -221,7 +229,7 @@ def _prepare(original, self: Accelerator, *args, **kwargs):
                     stack.enter_context(_no_double_sharded_input_embedding(self, obj))
             stack.enter_context(_quiet_flattened_mesh_slicing())
             result = _prepare_flexdemo_aware(original, self, *args, **kwargs)
-        _mark_fsdp_managed(result)
+        _after_fully_shard(result)
         return result
     return _prepare_flexdemo_aware(original, self, *args, **kwargs)
 

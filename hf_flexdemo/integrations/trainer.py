@@ -45,6 +45,7 @@ __all__ = [
     "is_flexdemo",
     "layout",
     "mark_mean_loss_model",
+    "node_count",
     "node_label",
 ]
 
@@ -65,6 +66,15 @@ def layout(trainer) -> str:
     if config is None:
         return f"1 node x {_count(trainer.accelerator.num_processes, 'process')}"
     return f"{_count(config.dp_replicate_size, 'node')} x {_count(config.dp_shard_size, 'process')}"
+
+
+def node_count(trainer) -> int:
+    """How many nodes (replicas) the trainer's job has: 1 means nothing crosses nodes."""
+    identity = fault_tolerant_identity(trainer)
+    if identity is not None:
+        return identity.replica_groups
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    return config.dp_replicate_size if config is not None else 1
 
 
 def _count(number: int, noun: str) -> str:

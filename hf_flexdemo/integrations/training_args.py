@@ -45,21 +45,9 @@ def flexdemo_kwargs(args: TrainingArguments) -> dict[str, Any]:
 
 
 def describe(args: TrainingArguments) -> str:
-    """One line naming the optimizer and its settings (for logs and model cards)."""
+    """One line naming the optimizer and the settings that act (for logs and model cards)."""
     config = FlexDeMoConfig(**flexdemo_kwargs(args))
-    keys = ["scheme", "topk", "chunk", "decay", "sign", "update", "decode", "value_dtype", "replicate_every"]
-    if config.update == "orthogonal":
-        keys.insert(keys.index("update") + 1, "elementwise_update")
-    if config.scheme in ("random", "striding"):
-        keys += ["rate"]
-    if config.scheme == "diloco":
-        keys = ["scheme", "inner_steps", "outer_lr", "outer_momentum", "betas", "value_dtype"]
-    if config.scheme == "sparseloco":
-        keys = ["scheme", "inner_steps", "topk", "chunk", "outer_lr", "outer_momentum", "betas", "value_dtype"]
-    keys += [key for key in ("overlap", "value_bits", "pack_indices") if getattr(config, key)]
-    if config.rounding != "nearest":
-        keys.append("rounding")
-    return "FlexDeMo(" + ", ".join(f"{k}={getattr(config, k)!r}" for k in keys) + ")"
+    return "FlexDeMo(" + ", ".join(f"{k}={getattr(config, k)!r}" for k in config.acting_settings()) + ")"
 
 
 def refuse_flexdemo_args_for_other_optimizers(args: TrainingArguments) -> None:
