@@ -76,3 +76,9 @@ def test_accelerate_takes_fsdp2s_mesh_from_fsdp_dim_names():
 
     source = inspect.getsource(fsdp_utils.fsdp2_prepare_model)
     assert "fsdp_dim_names" in source, f"fsdp2_prepare_model no longer reads fsdp_dim_names ({accelerate.__version__})"
+
+
+def test_training_arguments_check_bf16_in_post_init():
+    """The bf16-on-CPU wrapper runs before ``TrainingArguments.__post_init__``, where transformers refuses it."""
+    source = inspect.getsource(transformers.TrainingArguments.__post_init__)
+    assert "bf16" in source and "use_cpu" in source, f"the bf16 check moved ({transformers.__version__})"

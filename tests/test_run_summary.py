@@ -1,4 +1,4 @@
-"""What a ready-made script prints and sets for a new user's first run, in one process."""
+"""What a new user meets on a first run, in one process: the scripts' summary and defaults, --bf16 on CPU."""
 
 from __future__ import annotations
 
@@ -34,3 +34,11 @@ def test_the_scripts_pin_memory_only_with_an_accelerator(tmp_path, flags, pinned
     argv = ["--preset", "offline", "--output_dir", str(tmp_path), *flags]
     _, training_args = parse_arguments((T5Arguments, Seq2SeqTrainingArguments), PRESETS, COMMON, argv)
     assert training_args.dataloader_pin_memory is pinned
+
+
+@pytest.mark.lowest
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="bf16 on a machine without an accelerator")
+def test_bf16_without_an_accelerator_trains_on_the_cpu_instead_of_failing(tmp_path):
+    # transformers alone: "Your setup doesn't support bf16/gpu", raised by every process of a launch.
+    args = TrainingArguments(str(tmp_path), bf16=True, report_to="none")
+    assert args.bf16 and args.use_cpu

@@ -13,7 +13,9 @@ of transformers 5.x that scales T5's loss by processes and accumulation steps. E
 Trainer also gets crash-safe checkpoints (:mod:`.checkpoints`): ``train`` resumes from the
 newest *complete* checkpoint for ``resume_from_checkpoint="auto"`` or ``True`` (and after an
 automatic restart, or when an earlier run's checkpoints are in ``output_dir``), and a worker
-stops when its launcher dies (:mod:`hf_flexdemo.elastic`).
+stops when its launcher dies (:mod:`hf_flexdemo.elastic`). ``TrainingArguments(bf16=True)`` on
+a machine without an accelerator trains in bf16 on the CPU (:func:`_bf16_on_cpu`) instead of
+failing on every process.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import os
 import types
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers.trainer
 from transformers.training_args import OptimizerNames
 
@@ -134,6 +138,25 @@ def mark_mean_loss_model(model) -> bool:
     return True
 
 
+def _bf16_on_cpu(original, self, *args, **kwargs):
+    """``--bf16`` without an accelerator trains in bf16 on the CPU instead of failing on every process.
+
+    transformers refuses ``bf16`` without a bf16 GPU unless ``use_cpu`` is set ("Your setup doesn't
+    support bf16/gpu"), which every process of a launch raises with its traceback; the README's GPU
+    commands carry ``--bf16``. torch autocasts to bf16 on CPU and FSDP2 runs it over gloo, so this
+    sets ``use_cpu`` and says so once per machine.
+    """
+    if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not torch.accelerator.is_available():
+        self.use_cpu = True
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            logger.warning(
+                "hf_flexdemo: bf16=True on a machine without a GPU: training in bf16 on the CPU (torch's CPU "
+                "autocast; use_cpu=True is set for it). Drop --bf16 to train in float32, which is often faster on "
+                "CPUs without bf16 instructions."
+            )
+    original(self, *args, **kwargs)
+
+
 def _trainer_init(original, self, *args, **kwargs):
     mark_mean_loss_model(kwargs["model"] if "model" in kwargs else (args[0] if args else None))
     elastic.check_restart_setup()  # before any data is loaded
@@ -234,6 +257,7 @@ def install() -> None:
             transformers.trainer.DEFAULT_CALLBACKS.append(callback)
     # Before __init__: callbacks run after the data is loaded; train(): a callback is too late
     # to choose the checkpoint that train() loads.
+    wrap_method(transformers.TrainingArguments, "__post_init__", _bf16_on_cpu)  # before transformers refuses it
     wrap_method(transformers.Trainer, "__init__", _trainer_init)
     wrap_method(transformers.Trainer, "train", _trainer_train)
     _INSTALLED = True
