@@ -35,7 +35,10 @@ UPDATE_RULES = {
 """Every scheme that exchanges, and demo over a shared index set."""
 
 
-def ft_args(extra: str = "", timeout: float = 10, quorum_timeout: float = 60) -> list[str]:
+FT_TIMEOUT_S = 10  # a collective with a lost node fails after this long at most
+
+
+def ft_args(extra: str = "", timeout: float = FT_TIMEOUT_S, quorum_timeout: float = 60) -> list[str]:
     return [
         "--optim_args",
         f"topk=8,chunk=16,fault_tolerance=torchft,ft_timeout={timeout},quorum_timeout={quorum_timeout}{extra}",
@@ -91,28 +94,30 @@ def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, sc
     nodes = nodes_of(2, lighthouse, tmp_path, *flags, extra={0: ("--slow_while", str(slow))})
     for node in nodes:
         node.start()
-    wait_until(lambda: nodes[1].step() >= 8, 180, "both nodes to train")
+    wait_until(lambda: nodes[1].step() >= 8, 180, "both nodes to train", running=nodes)
     slow.touch()  # however long the relaunch takes to start, the survivor is still training when it returns
     killed_at = nodes[1].kill()
     # Relaunch once the survivor trains alone: on an idle machine a relaunch can rejoin before it shrinks.
     shrunk = lambda: any(p["replicas"] == 1 for p in nodes[0].progress() if p["time"] > killed_at)  # noqa: E731
-    wait_until(shrunk, 120, "the quorum to shrink to the live node")
+    wait_until(shrunk, 120, "the quorum to shrink to the live node", running=nodes[:1])
     step_at_relaunch = nodes[0].step()
     relaunched = time.time()
     nodes[1].start()
 
     # Meanwhile the survivor trains on alone, without a restart.
-    wait_until(lambda: nodes[0].step() >= step_at_relaunch + 4, 120, "the survivor to keep stepping")
+    wait_until(lambda: nodes[0].step() >= step_at_relaunch + 4, 120, "the survivor to keep stepping", running=nodes)
     after = [p for p in nodes[0].progress() if p["time"] > killed_at][:4]
-    assert after[0]["time"] - killed_at < 10, "the survivor's next commit came more than 10 s after the loss"
-    wait_until(lambda: any(p["time"] > relaunched for p in nodes[1].progress()), 120, "node1 to train again")
+    # Bounded by failure detection (a collective's ft_timeout, the Lighthouse's heartbeat timeout), not by a restart.
+    detection = FT_TIMEOUT_S + lighthouse.heartbeat_timeout_s
+    assert after[0]["time"] - killed_at < detection, f"the survivor's next step came over {detection} s after the loss"
+    back = lambda: any(p["time"] > relaunched for p in nodes[1].progress())  # noqa: E731
+    wait_until(back, 120, "node1 to train again", running=nodes)
     slow.unlink()
     finish(nodes)
     rejoined = nodes[1].progress()
     rejoined = rejoined[next(i for i, p in enumerate(rejoined) if p["time"] > relaunched) :]
     assert rejoined[0]["step"] > step_at_relaunch, "the relaunched node started over instead of taking the live state"
     assert rejoined[0]["replicas"] == 2
-    assert rejoined[0]["time"] - relaunched < 60, "the relaunched node took more than 60 s to train again"
     for rank in (0, 1):
         survivor, returned = nodes[0].result(rank), nodes[1].result(rank)
         assert survivor["fingerprint"] == returned["fingerprint"], f"rank {rank}: nodes end with different parameters"
@@ -257,11 +262,11 @@ def test_a_node_that_commits_no_step_fails(lighthouse, tmp_path):
 @pytest.mark.faults
 def test_an_unreachable_lighthouse_is_a_clear_error_within_the_timeout(tmp_path):
     address = f"http://127.0.0.1:{free_port()}"
-    node = Node(0, 1, address, tmp_path, *TINY, "--max_steps", "4", *ft_args(timeout=3), config="cpu_ft_node.yaml")
-    started = time.time()
+    # A node that waited for a quorum instead of failing at the 3 s timeout would outlast node.wait's deadline.
+    flags = [*TINY, "--max_steps", "4", *ft_args(timeout=3, quorum_timeout=600)]
+    node = Node(0, 1, address, tmp_path, *flags, config="cpu_ft_node.yaml")
     node.start()
     assert node.wait(120) != 0
-    assert time.time() - started < 60
     log = node.log()
     assert "could not join the Lighthouse" in log and f"TORCHFT_LIGHTHOUSE={address}" in log
 

@@ -33,6 +33,7 @@ from hf_flexdemo import FlexDeMoCallback  # importing hf_flexdemo registers opti
 from hf_flexdemo.integrations.checkpoints import (
     CheckpointStorageError,
     check_writable,
+    exit_on_storage_error,
     newest_complete,
     storage_errors,
 )
@@ -169,9 +170,7 @@ def train_and_report(trainer: Trainer, headline: Sequence[str], derived=None) ->
             save_full_model(trainer)
             trainer.create_model_card()
     except CheckpointStorageError as error:
-        if trainer.is_world_process_zero():
-            raise SystemExit(str(error)) from None
-        raise SystemExit(f"rank {args.process_index}: {error.cause or error}") from None  # rank 0 says the rest
+        exit_on_storage_error(error)
     if args.push_to_hub:
         push_to_hub(trainer)
     print_summary(trainer, metrics, headline)

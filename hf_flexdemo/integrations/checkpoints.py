@@ -24,7 +24,9 @@ import os
 import re
 import shutil
 import socket
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
 from transformers import TrainerCallback
@@ -53,12 +55,15 @@ STORAGE_TEXTS = {  # the same causes where only a message survives (torch's C++ 
 class CheckpointStorageError(OSError):
     """Writing a checkpoint or the model failed for a storage reason (full, read-only, no rights).
 
-    ``cause`` is the short reason ("the disk is full (No space left on device)").
+    ``cause`` is the short reason ("the disk is full (No space left on device)"). ``every_rank``:
+    every process raised it at the same point (a distributed checkpoint's failure, a decision
+    broadcast by rank 0), so they can still meet; otherwise this process failed alone.
     """
 
-    def __init__(self, message: str, cause: str = ""):
+    def __init__(self, message: str, cause: str = "", every_rank: bool = False):
         super().__init__(message)
         self.cause = cause
+        self.every_rank = every_rank
 
 
 # -- one checkpoint ------------------------------------------------------------------------
@@ -182,7 +187,7 @@ def resolve_resume(
         dist.broadcast_object_list(decision, src=0)
     kind, value = decision[0]
     if kind == "unwritable":
-        raise CheckpointStorageError(value, "the output directory cannot be written")
+        raise CheckpointStorageError(value, "the output directory cannot be written", every_rank=True)
     if kind == "error":
         raise ValueError(value)
     return value
@@ -307,19 +312,59 @@ def storage_errors(run_dir: str | os.PathLike):
         if cause is None:
             raise
         run_dir = Path(run_dir)
-        removed = remove_incomplete(run_dir) if _rank() == 0 else []
+        every_rank = _world_size() == 1 or _raised_on_every_rank(error)
+        if every_rank:  # nobody writes any more: rank 0 can remove the half-written checkpoint
+            removed = remove_incomplete(run_dir) if _rank() == 0 else []
+            cleaned = f"; removed the incomplete {', '.join(removed)}" if removed else ""
+        else:  # the other processes may still be writing into it: resuming removes it
+            left = [folder.name for _, folder in checkpoints(run_dir) if not is_complete(folder)]
+            cleaned = f"; the incomplete {', '.join(left)} is removed when you resume" if left else ""
         newest = newest_complete(run_dir)
         kept = f"the newest complete checkpoint, {newest}, is whole" if newest else "no checkpoint was complete yet"
-        cleaned = f"; removed the incomplete {', '.join(removed)}" if removed else ""
         raise CheckpointStorageError(
             f"Writing to {run_dir.resolve()} failed on rank {_rank()}: {cause}. Nothing complete was lost: "
             f"{kept}{cleaned}. Free space (or fix the rights), then resume with --resume_from_checkpoint auto.",
             cause,
+            every_rank,
         ) from None
+
+
+def exit_on_storage_error(error: CheckpointStorageError) -> NoReturn:
+    """Stop this process with ``error`` said once, in full, by a process that is not stopped first.
+
+    The launcher stops every worker as soon as one exits. When every process failed together,
+    rank 0 says it and the others wait for it at a barrier before they exit. A process that
+    failed alone says it itself: its peers wait in a collective it will never join.
+    """
+    rank = _rank()
+    if not error.every_rank:
+        raise SystemExit(str(error))
+    if rank == 0:
+        print(error, file=sys.stderr, flush=True)
+    _barrier()
+    raise SystemExit(1 if rank == 0 else f"rank {rank}: {error.cause or error}")
 
 
 def storage_cause(error: BaseException) -> str | None:
     """A short storage cause found anywhere in ``error``'s chain (DCP's per-rank failures included)."""
+    for current in _chain(error):
+        if isinstance(current, OSError) and current.errno in STORAGE_ERRNOS:
+            return f"{STORAGE_ERRNOS[current.errno]} ({current.strerror})"
+        for text, cause in STORAGE_TEXTS.items():
+            if text in str(current):
+                return f"{cause} ({text})"
+    return None
+
+
+def _raised_on_every_rank(error: BaseException) -> bool:
+    """A distributed checkpoint's failure: DCP gathers every rank's outcome and raises the same on all."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return any(isinstance(current, CheckpointException) for current in _chain(error))
+
+
+def _chain(error: BaseException):
+    """``error``, its causes and contexts, and the per-rank failures a DCP CheckpointException holds."""
     seen: set[int] = set()
     pending = [error]
     while pending:
@@ -327,18 +372,13 @@ def storage_cause(error: BaseException) -> str | None:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in STORAGE_ERRNOS:
-            return f"{STORAGE_ERRNOS[current.errno]} ({current.strerror})"
-        for text, cause in STORAGE_TEXTS.items():
-            if text in str(current):
-                return f"{cause} ({text})"
+        yield current
         failures = getattr(current, "failures", None)  # DCP's CheckpointException: {rank: (exception, trace)}
         if isinstance(failures, dict):
             for failure in failures.values():
                 items = failure if isinstance(failure, tuple) else (failure,)
                 pending.extend(f for f in items if isinstance(f, BaseException))
         pending.extend([current.__cause__, current.__context__])
-    return None
 
 
 def check_writable(run_dir: str | os.PathLike) -> None:
@@ -361,6 +401,10 @@ def check_writable(run_dir: str | os.PathLike) -> None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _job_restart_count() -> int:

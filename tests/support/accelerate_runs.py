@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .launch import TESTS_DIR, child_env, run_checked
+from .launch import TESTS_DIR, child_env, free_port, run_checked
 
 COMMON = (
     "--max_steps 8 --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --learning_rate 1e-3 "
@@ -15,9 +15,15 @@ COMMON = (
 
 
 def launch_command(*script_and_args: str, config: str = "cpu_2x2.yaml") -> list[str]:
-    """``accelerate launch`` with a test config, as a user would run it."""
+    """``accelerate launch`` with a test config, as a user would run it.
+
+    Each launch gets its own free rendezvous port (Accelerate's default, 29500, is shared with
+    any other job on the machine and with a killed launch's last connections); a
+    ``--main_process_port`` in ``script_and_args`` comes later and wins.
+    """
     config_path = str(TESTS_DIR / "configs" / config)
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_path, *script_and_args]
+    port = ("--main_process_port", str(free_port()))
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_path, *port, *script_and_args]
 
 
 TRAINER_WORKER = str(TESTS_DIR / "workers" / "trainer_worker.py")

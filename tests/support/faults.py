@@ -16,6 +16,8 @@ import psutil
 
 from hf_flexdemo.integrations.checkpoints import MARKER, checkpoints
 
+from .launch import wait_for
+
 
 def workers(*launchers: subprocess.Popen) -> list[psutil.Process]:
     """The worker processes of ``accelerate launch`` processes (their direct children)."""
@@ -28,14 +30,22 @@ def workers(*launchers: subprocess.Popen) -> list[psutil.Process]:
     return found
 
 
-def wait_for(condition, timeout: float, what: str, poll: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+def alive(process: psutil.Process) -> bool:
+    """Running and not a zombie; one that exits while it is being looked at is not alive."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def exited(*launchers: subprocess.Popen):
+    """For ``wait_for(gone=...)``: which of ``launchers`` has exited, and how."""
+
+    def gone() -> str | None:
+        ended = next((launcher for launcher in launchers if launcher.poll() is not None), None)
+        return None if ended is None else f"the launcher (pid {ended.pid}) exited with {ended.returncode}"
+
+    return gone
 
 
 def saving_now(run_dir: Path, after_step: int) -> int | None:
@@ -57,12 +67,12 @@ def kill_during_saves(launchers: list[subprocess.Popen], run_dir: Path, kills: i
     done, last_step = [], 0
     running = lambda: all(launcher.poll() is None for launcher in launchers)  # noqa: E731
     for _ in range(kills):
-        step = wait_for(lambda: running() and saving_now(run_dir, last_step), 300, "a save to start")
+        step = wait_for(lambda: saving_now(run_dir, last_step), 300, "a save to start", gone=exited(*launchers))
         time.sleep(rng.uniform(0.0, 0.15))
-        alive = workers(*launchers)
-        if not alive:
+        candidates = workers(*launchers)
+        if not candidates:
             break
-        victim = rng.choice(alive)
+        victim = rng.choice(candidates)
         victim.send_signal(signal.SIGKILL)
         done.append(f"pid {victim.pid} during the save of checkpoint-{step}")
         last_step = step

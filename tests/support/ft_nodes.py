@@ -14,12 +14,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
 
 from .accelerate_runs import launch_command
-from .launch import TESTS_DIR, child_env, free_port, port_open
+from .launch import TESTS_DIR, child_env, free_port, port_open, wait_for
 
 WORKER = str(TESTS_DIR / "workers" / "ft_worker.py")
 
@@ -30,6 +31,7 @@ class Lighthouse:
     def __init__(self, log: Path, min_replicas: int = 1, heartbeat_timeout_ms: int = 2000, join_timeout_ms: int = 2000):
         self.port = free_port()
         self.address = f"http://127.0.0.1:{self.port}"
+        self.heartbeat_timeout_s = heartbeat_timeout_ms / 1000  # how long a lost node still counts as live
         binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable)) or "torchft_lighthouse"
         self.log = log.open("w")
         self.proc = subprocess.Popen(
@@ -43,7 +45,10 @@ class Lighthouse:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
-        wait_until(lambda: port_open(self.port), 20, "the Lighthouse to listen")
+        wait_for(lambda: port_open(self.port), 20, "the Lighthouse to listen", poll=0.2, gone=self._exited)
+
+    def _exited(self) -> str | None:
+        return None if self.proc.poll() is None else f"torchft_lighthouse exited with {self.proc.returncode}"
 
     def stop(self) -> None:
         self.proc.kill()
@@ -51,12 +56,16 @@ class Lighthouse:
         self.log.close()
 
 
-def wait_until(condition, timeout: float, what: str, every: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(every)
+def wait_until(condition, timeout: float, what: str, every: float = 0.2, running: Sequence[Node] = ()) -> None:
+    """``wait_for`` that fails at once, with the node's log, when a node of ``running`` has exited."""
+
+    def gone() -> str | None:
+        ended = next((node for node in running if node.proc.poll() is not None), None)
+        if ended is None:
+            return None
+        return f"node{ended.index} exited with {ended.proc.returncode}:\n{ended.log()[-6000:]}\n"
+
+    wait_for(condition, timeout, what, poll=every, gone=gone)
 
 
 def kill_node(launcher_pid: int) -> None:

@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -62,3 +64,22 @@ def free_port() -> int:
 def port_open(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_for(condition, timeout: float, what: str, poll: float = 0.02, gone: Callable[[], str | None] | None = None):
+    """Poll ``condition`` until it holds; returns its value.
+
+    Fails at ``timeout``, or at once when ``gone()`` names why it never will (the process
+    that was to bring it about has exited), rather than waiting out the deadline.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        reason = gone() if gone else None
+        if reason:
+            raise AssertionError(f"{reason} before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
