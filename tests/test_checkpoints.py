@@ -8,10 +8,12 @@ import json
 import pytest
 
 from hf_flexdemo import elastic
+from hf_flexdemo.integrations import checkpoints as checkpoints_module
 from hf_flexdemo.integrations.checkpoints import (
     MARKER,
     CheckpointStorageError,
     check_writable,
+    exit_on_storage_error,
     incomplete_reason,
     newest_complete,
     resolve_resume,
@@ -164,6 +166,41 @@ def test_storage_errors_name_what_is_whole_and_remove_the_half_written(tmp_path)
     assert not (tmp_path / "checkpoint-2").exists()
     with pytest.raises(KeyError), storage_errors(tmp_path):  # anything else passes through
         raise KeyError("x")
+
+
+def test_a_failure_of_one_process_among_several_keeps_what_its_peers_may_still_write(tmp_path, monkeypatch):
+    """A plain write error is this process's alone: the others may still be writing checkpoint-2."""
+    make_checkpoint(tmp_path, 1)
+    make_checkpoint(tmp_path, 2, complete=False)
+    monkeypatch.setattr(checkpoints_module, "_world_size", lambda: 2)
+    with pytest.raises(CheckpointStorageError) as caught, storage_errors(tmp_path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    message = str(caught.value)
+    assert not caught.value.every_rank
+    assert "checkpoint-1, is whole" in message and "the incomplete checkpoint-2 is removed when you resume" in message
+    assert (tmp_path / "checkpoint-2").exists()
+
+
+def test_a_storage_error_of_every_process_is_said_by_rank_0_before_any_process_exits(monkeypatch, capsys):
+    """The launcher stops every worker at the first exit: the others leave only after rank 0 has spoken."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    events = []
+    monkeypatch.setattr(checkpoints_module, "_world_size", lambda: 2)
+    monkeypatch.setattr(checkpoints_module, "_barrier", lambda: events.append(("barrier", capsys.readouterr().err)))
+    for rank in (1, 0):
+        monkeypatch.setattr(checkpoints_module, "_rank", lambda rank=rank: rank)
+        failure = CheckpointException("write", {1: (OSError(errno.ENOSPC, "No space left on device"), None)})
+        with pytest.raises(CheckpointStorageError) as caught, storage_errors("/nonexistent/run"):
+            raise failure
+        assert caught.value.every_rank  # DCP raises the same failure on every rank
+        with pytest.raises(SystemExit) as exited:
+            exit_on_storage_error(caught.value)
+        events.append(("exit", exited.value.code))
+    rank1, rank0 = events[:2], events[2:]
+    assert rank1 == [("barrier", ""), ("exit", "rank 1: the disk is full (No space left on device)")]
+    assert rank0[0][0] == "barrier" and "failed on rank 0: the disk is full" in rank0[0][1]  # said before the barrier
+    assert rank0[1] == ("exit", 1)
 
 
 def test_an_unwritable_output_dir_is_refused(tmp_path):
