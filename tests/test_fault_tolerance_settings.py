@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
-from support.launch import child_env, free_port
+from support.launch import child_env, free_port, wait_for
 
 from hf_flexdemo.config import FlexDeMoConfig
 from hf_flexdemo.fault_tolerance import NodeIdentity
@@ -103,10 +102,14 @@ def test_the_waiting_message_names_who_is_missing_from_the_lighthouse():
         address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
         client = LighthouseClient(address, timedelta(seconds=5))
         client.heartbeat("node1:a")
-        time.sleep(1.0)  # node1 falls silent
-        client.heartbeat("node0:b")
-        status = lighthouse_status(address)
-        assert "need min_replicas 2" in status and "heartbeating ['node0']" in status
+
+        def node1_dropped() -> str | None:  # node1 falls silent; node0 keeps heartbeating
+            client.heartbeat("node0:b")
+            status = lighthouse_status(address)
+            return status if "heartbeating ['node0']" in status else None
+
+        status = wait_for(node1_dropped, 30, "the Lighthouse to drop the silent node1", poll=0.1)
+        assert "need min_replicas 2" in status
     finally:
         server.shutdown()
     assert "does not answer" in lighthouse_status(f"http://127.0.0.1:{free_port()}")
@@ -117,7 +120,8 @@ def test_the_lighthouse_view_holds_the_last_quorums_steps():
 
     from torchft._torchft import LighthouseClient, LighthouseServer
 
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=500)
+    # node0 must stay live until the view is read, however slow the machine: a long heartbeat timeout.
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=60_000)
     try:
         address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
         client = LighthouseClient(address, timedelta(seconds=5))

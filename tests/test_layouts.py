@@ -14,14 +14,21 @@ pytestmark = pytest.mark.multiprocess
 
 def test_two_nodes_with_one_process_each_train_flexdemo_in_step(tmp_path):
     worker = str(TESTS_DIR / "workers" / "trainer_worker.py")
-    port, launchers = str(free_port()), []
+    port, launchers, logs = str(free_port()), [], []
     for machine in (0, 1):
         node = ["--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port", port]
         args = [worker, "--runs", "t5:flexdemo", "--processes_per_node", "1", "--output_dir", str(tmp_path), *COMMON]
         command = launch_command(*node, *args, config="cpu_2machines_1each.yaml")
-        output = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        launchers.append(subprocess.Popen(command, env=child_env(), cwd=REPO_ROOT, **output))
-    outputs = [launcher.communicate(timeout=600)[0] for launcher in launchers]
+        logs.append(tmp_path.parent / f"{tmp_path.name}-machine{machine}.log")
+        with logs[-1].open("w") as log:  # a file, not a pipe: a node blocked on a full pipe would stall the other
+            launchers.append(subprocess.Popen(command, env=child_env(), cwd=REPO_ROOT, stdout=log, stderr=log))
+    try:
+        for launcher in launchers:
+            launcher.wait(timeout=600)
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    outputs = [log.read_text() for log in logs]
     assert [launcher.returncode for launcher in launchers] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     results = [json.loads((tmp_path / "t5_flexdemo" / f"result_rank{r}.json").read_text()) for r in (0, 1)]
     for result in results:
