@@ -39,6 +39,7 @@ from ..updates import check_saved_state_keys, elementwise_parameters
 from ._patching import wrap_method
 from .callback import FlexDeMoCallback
 from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
+from .resume import check_checkpoint_model, stop_if_complete
 from .training_args import OPTIM_NAME, describe, flexdemo_kwargs, is_flexdemo
 
 __all__ = [
@@ -174,10 +175,16 @@ def _trainer_init(original, self, *args, **kwargs):
 
 
 def _trainer_train(original, self, resume_from_checkpoint=None, *args, **kwargs):
-    """Resume from the newest *complete* checkpoint (``"auto"``/``True``, an automatic restart, or an earlier run's)."""
+    """Resume from the newest *complete* checkpoint (``"auto"``/``True``, an automatic restart, or an earlier run's).
+
+    A checkpoint of another model is refused, and one that already finished the run ends it
+    with nothing changed (:mod:`.resume`)."""
     overwrite = getattr(self.args, "overwrite_output_dir", None)  # transformers 4.x only
     # Also refuses an unwritable output_dir.
     resume = resolve_resume(self.args.output_dir, resume_from_checkpoint, overwrite=overwrite)
+    if resume is not None:
+        check_checkpoint_model(Path(resume), self.model)
+        stop_if_complete(Path(resume), self.args)
     if resume is not None and is_flexdemo(self.args):
         config = FlexDeMoConfig(**flexdemo_kwargs(self.args))
         _check_resumed_rules(Path(resume), config)

@@ -1,0 +1,122 @@
+"""A checkpoint checked against the run that resumes it, before the Trainer loads anything.
+
+- :func:`check_checkpoint_model`: a checkpoint of another model (an OLMo2 ``checkpoint-2``
+  resumed by the T5 script, or a T5 of another size) is refused once, naming both models;
+  torch's loader would fail on every process ("Missing key in checkpoint state_dict:
+  model.shared.weight.", or a size mismatch), each with its traceback.
+- :func:`stop_if_complete`: a relaunch of a run whose checkpoint already reached
+  ``max_steps`` (or ``num_train_epochs``) says so in one line and exits with nothing changed.
+  The Trainer would resume it, train one step past ``max_steps`` and write another checkpoint;
+  and a script that goes on to evaluate and save after ``train()`` would overwrite the final
+  model.
+
+Both read what the checkpoint holds on disk: ``config.json`` (the scripts write it into every
+checkpoint), the distributed checkpoint's metadata (``pytorch_model_fsdp_0/.metadata``, the
+names and shapes of the saved tensors) and ``trainer_state.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+MODEL_FOLDER = "pytorch_model_fsdp_0"
+"""Where Accelerate writes FSDP's sharded model state (``FSDP_MODEL_NAME`` + ``_0``)."""
+STATE_PREFIX = "model."
+"""Accelerate saves the model's state dict under this key of the distributed checkpoint."""
+
+
+def check_checkpoint_model(checkpoint: Path, model: torch.nn.Module | None) -> None:
+    """Raise ValueError if ``checkpoint`` holds another model than ``model`` (type, tensor names or shapes)."""
+    if model is None:
+        return
+    run_type = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+    saved_type = _saved_model_type(checkpoint)
+    saved = _saved_shapes(checkpoint)
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    problem = ""
+    if saved_type is not None and saved_type != run_type:
+        problem = (
+            f"it holds a model of type {saved_type!r}, and this run trains one of type {run_type!r} "
+            f"({type(model).__name__})"
+        )
+    elif saved is not None:
+        missing = sorted(set(expected) - set(saved))
+        reshaped = sorted(name for name in set(expected) & set(saved) if saved[name] != expected[name])
+        if missing:
+            problem = (
+                f"this run's model of type {run_type!r} ({type(model).__name__}) has {len(missing)} tensors the checkpoint "
+                f"lacks, such as {', '.join(missing[:3])}"
+            )
+        elif reshaped:
+            name = reshaped[0]
+            problem = (
+                f"{len(reshaped)} tensors have other shapes than in this run's model of type {run_type!r}, such as {name} "
+                f"(saved {list(saved[name])}, this run {list(expected[name])}): another size of the model"
+            )
+    if problem:
+        raise ValueError(
+            f"Resuming from {checkpoint} is refused: {problem}. Resume from a checkpoint of this model "
+            "(--resume_from_checkpoint with the same script and model settings), or start afresh in another "
+            "--output_dir."
+        )
+
+
+def _saved_model_type(checkpoint: Path) -> str | None:
+    try:
+        return json.loads((checkpoint / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def _saved_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]] | None:
+    """``{tensor name: global shape}`` of a sharded model checkpoint, or None where there is none."""
+    folder = checkpoint / MODEL_FOLDER
+    if not (folder / ".metadata").is_file():
+        return None
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return {
+        key.removeprefix(STATE_PREFIX): tuple(getattr(value, "size", ()))
+        for key, value in metadata.items()
+        if key.startswith(STATE_PREFIX)
+    }
+
+
+def completed_run(checkpoint: Path, args) -> str | None:
+    """Why resuming ``checkpoint`` with ``args`` would train nothing new, or None."""
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    step, epoch = state.get("global_step", 0), state.get("epoch")
+    if args.max_steps > 0 and step >= args.max_steps:
+        return f"{checkpoint.name} is at step {step} of --max_steps {args.max_steps}"
+    if args.max_steps <= 0 and epoch is not None and epoch >= args.num_train_epochs:
+        return f"{checkpoint.name} is at epoch {epoch:g} of --num_train_epochs {args.num_train_epochs:g}"
+    return None
+
+
+def stop_if_complete(checkpoint: Path, args) -> None:
+    """Exit (status 0, nothing written) when ``checkpoint`` already finished the run ``args`` asks for."""
+    reason = completed_run(checkpoint, args)
+    if reason is None:
+        return
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(
+            f"hf_flexdemo: this run is complete: {reason}; nothing was trained or written. Raise --max_steps (or "
+            "--num_train_epochs) to train on, or choose another --output_dir for a new run.",
+            flush=True,
+        )
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every process has decided before any leaves
+        dist.destroy_process_group()
+    raise SystemExit(0)

@@ -1,0 +1,84 @@
+"""A checkpoint checked against the run that resumes it: another model is refused, a finished run ends.
+
+Checkpoints are written here the way the Trainer and Accelerate write them (``config.json``,
+a distributed checkpoint of ``{"model": state_dict}``, ``trainer_state.json``); one test
+relaunches a finished single-process Trainer run.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from support.tiny_hf import dataset, tiny_model, tokenizer
+from transformers import Trainer, TrainingArguments
+
+import hf_flexdemo  # noqa: F401  (the Trainer glue)
+from hf_flexdemo.integrations.resume import MODEL_FOLDER, check_checkpoint_model, stop_if_complete
+
+pytestmark = pytest.mark.unit
+
+
+def sharded_checkpoint(folder, model, model_type: str | None = None):
+    """What Accelerate's FSDP save leaves: the model's tensors under "model." in a distributed checkpoint."""
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder / MODEL_FOLDER), no_dist=True)
+    if model_type:
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return folder
+
+
+def test_another_models_checkpoint_is_refused_naming_both(tmp_path):
+    checkpoint = sharded_checkpoint(tmp_path, tiny_model("olmo2", 64), "olmo2")
+    with pytest.raises(ValueError, match=r"type 'olmo2', and this run trains one of type 't5'.*another --output_dir"):
+        check_checkpoint_model(checkpoint, tiny_model("t5", 64))
+
+
+def test_a_checkpoint_without_its_config_is_checked_by_tensor_names_and_shapes(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    olmo2 = sharded_checkpoint(tmp_path / "a", tiny_model("olmo2", 64))
+    with pytest.raises(ValueError, match=r"has \d+ tensors the checkpoint lacks, such as decoder\."):
+        check_checkpoint_model(olmo2, tiny_model("t5", 64))
+    bigger_vocabulary = sharded_checkpoint(tmp_path / "b", tiny_model("t5", 96), "t5")
+    with pytest.raises(ValueError, match=r"other shapes .* \(saved \[96, 64\], this run \[64, 64\]\)"):
+        check_checkpoint_model(bigger_vocabulary, tiny_model("t5", 64))
+
+
+def test_the_same_models_checkpoint_passes(tmp_path):
+    check_checkpoint_model(sharded_checkpoint(tmp_path, tiny_model("t5", 64), "t5"), tiny_model("t5", 64))
+
+
+@pytest.mark.parametrize(
+    "saved,args,complete",
+    [
+        (dict(global_step=4, epoch=0.5), dict(max_steps=4, num_train_epochs=3), True),
+        (dict(global_step=4, epoch=0.5), dict(max_steps=6, num_train_epochs=3), False),
+        (dict(global_step=30, epoch=3.0), dict(max_steps=-1, num_train_epochs=3), True),
+        (dict(global_step=30, epoch=3.0), dict(max_steps=-1, num_train_epochs=4), False),
+    ],
+)
+def test_a_checkpoint_that_finished_the_run_ends_it(tmp_path, capsys, saved, args, complete):
+    (tmp_path / "trainer_state.json").write_text(json.dumps(saved))
+    if not complete:
+        stop_if_complete(tmp_path, SimpleNamespace(**args))
+        return
+    with pytest.raises(SystemExit) as stopped:
+        stop_if_complete(tmp_path, SimpleNamespace(**args))
+    assert stopped.value.code == 0
+    assert "this run is complete" in capsys.readouterr().out
+
+
+def test_a_relaunched_finished_run_trains_and_writes_nothing(tmp_path):
+    tok = tokenizer()
+    args = TrainingArguments(
+        str(tmp_path), optim="flexdemo", optim_args="topk=8,chunk=16", use_cpu=True, max_steps=2, save_steps=2,
+        per_device_train_batch_size=2, report_to="none", dataloader_pin_memory=False,
+    )  # fmt: skip
+    Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=8)).train()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    relaunch = Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=8))
+    with pytest.raises(SystemExit) as stopped:
+        relaunch.train()
+    assert stopped.value.code == 0 and relaunch.state.global_step == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == before == ["checkpoint-2"]
