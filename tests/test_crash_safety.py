@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 from support.accelerate_runs import launch_command
 from support.faults import alive, exited, kill_during_saves, saving_now, small_disk, workers
-from support.launch import REPO_ROOT, child_env, free_port, port_open, run_checked, wait_for
+from support.launch import (
+    REPO_ROOT,
+    child_env,
+    free_port,
+    port_open,
+    run_checked,
+    start_logged,
+    stopped_at_exit,
+    wait_for,
+)
 
 from hf_flexdemo.integrations.checkpoints import MARKER, checkpoints, incomplete_reason
 
@@ -73,20 +82,14 @@ def test_workers_killed_during_saves_restart_on_every_node_and_end_bitwise_equal
         node = ("--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port", port)
         command = t5_command(tmp_path, launch=(*RESTARTS, *node), config="cpu_2machines.yaml")
         logs.append(tmp_path.parent / f"{tmp_path.name}-node{machine}.log")
-        with logs[-1].open("w") as log:
-            env = child_env(**RESTART_ENV)
-            launchers.append(subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT))
+        launchers.append(start_logged(command, logs[-1], env=child_env(**RESTART_ENV)))
         if machine == 0:  # machine 0 hosts the c10d rendezvous: let it bind the port before machine 1 asks
             wait_for(lambda: port_open(int(port)), 120, "machine 0's rendezvous port", poll=0.1)
-    try:
+    with stopped_at_exit(*launchers):
         killed = kill_during_saves(launchers, tmp_path, kills=2, seed=11)
-        for launcher in launchers:
-            launcher.wait(timeout=600)
-    finally:
-        for launcher in launchers:
-            launcher.kill()
+        codes = [launcher.wait(timeout=600) for launcher in launchers]
     outputs = [log.read_text() for log in logs]
-    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs[0][-4000:] + outputs[1][-4000:]
+    assert codes == [0, 0], outputs[0][-4000:] + outputs[1][-4000:]
     assert len(killed) == 2, killed
     for output in outputs:  # every node resumed, not only the one whose worker died
         assert "Automatic restart (restart " in output, output[-6000:]
@@ -103,8 +106,7 @@ def test_a_crashed_job_relaunched_with_the_same_command_resumes_and_keeps_its_ch
     """A worker killed during the save of checkpoint-8; the same command again continues, checkpoint-4 untouched."""
     command = t5_command(tmp_path, "--max_steps", "12", "--save_steps", "4", "--logging_steps", "4")
     log = tmp_path.parent / f"{tmp_path.name}-first.log"
-    with log.open("w") as out:
-        first = subprocess.Popen(command, env=child_env(), cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    first = start_logged(command, log)
     try:
         wait_for(lambda: saving_now(tmp_path, 4), 300, "the save of checkpoint-8", gone=exited(first))
         workers(first)[-1].send_signal(signal.SIGKILL)
@@ -134,10 +136,8 @@ def test_restarts_with_a_shared_rendezvous_store_are_refused_before_training(tmp
 
 def test_workers_stop_when_the_launcher_is_killed(tmp_path):
     log = tmp_path.parent / f"{tmp_path.name}-launch.log"
-    with log.open("w") as out:  # the workers inherit it: their own word on why they stop stays readable
-        launcher = subprocess.Popen(
-            t5_command(tmp_path, "--max_steps", "200"), env=child_env(), cwd=REPO_ROOT, stdout=out, stderr=out
-        )
+    # The workers inherit the log: their own word on why they stop stays readable.
+    launcher = start_logged(t5_command(tmp_path, "--max_steps", "200"), log)
     try:
         first_saved = lambda: (tmp_path / "checkpoint-1" / MARKER).exists()  # noqa: E731
         wait_for(first_saved, 300, "the first checkpoint", poll=0.2, gone=exited(launcher))

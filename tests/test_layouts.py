@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 from support.accelerate_runs import COMMON, launch_command
-from support.launch import REPO_ROOT, TESTS_DIR, child_env, free_port, torchrun
+from support.launch import REPO_ROOT, TESTS_DIR, free_port, start_logged, stopped_at_exit, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,16 +19,11 @@ def test_two_nodes_with_one_process_each_train_flexdemo_in_step(tmp_path):
         args = [worker, "--runs", "t5:flexdemo", "--processes_per_node", "1", "--output_dir", str(tmp_path), *COMMON]
         command = launch_command(*node, *args, config="cpu_2machines_1each.yaml")
         logs.append(tmp_path.parent / f"{tmp_path.name}-machine{machine}.log")
-        with logs[-1].open("w") as log:  # a file, not a pipe: a node blocked on a full pipe would stall the other
-            launchers.append(subprocess.Popen(command, env=child_env(), cwd=REPO_ROOT, stdout=log, stderr=log))
-    try:
-        for launcher in launchers:
-            launcher.wait(timeout=600)
-    finally:
-        for launcher in launchers:
-            launcher.kill()
+        launchers.append(start_logged(command, logs[-1]))
+    with stopped_at_exit(*launchers):
+        codes = [launcher.wait(timeout=600) for launcher in launchers]
     outputs = [log.read_text() for log in logs]
-    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     results = [json.loads((tmp_path / "t5_flexdemo" / f"result_rank{r}.json").read_text()) for r in (0, 1)]
     for result in results:
         assert len(set(result["replica_fingerprints"])) == 1  # the two nodes hold the same parameters

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -43,6 +44,25 @@ def run_checked(cmd: list[str], timeout: float, env: dict[str, str] | None = Non
         tail = (proc.stdout + "\n" + proc.stderr)[-6000:]
         raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
     return proc
+
+
+def start_logged(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``cmd`` with its output (and its children's) in the file ``log``.
+
+    A file, not a pipe: a launcher blocked on a full pipe nobody reads would stall its peers.
+    """
+    with log.open("w") as out:
+        return subprocess.Popen(cmd, env=env or child_env(), cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
+@contextlib.contextmanager
+def stopped_at_exit(*launchers: subprocess.Popen):
+    """On the way out of the block, whatever happened in it, none of ``launchers`` is left running."""
+    try:
+        yield
+    finally:
+        for launcher in launchers:
+            launcher.kill()
 
 
 def torchrun(script: Path, nprocs: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
