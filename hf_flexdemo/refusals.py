@@ -13,6 +13,14 @@ the first exit, and the one that speaks must not be stopped before it has; one t
 running after 30 s (its first process was not refused) says the message itself. The exit
 code stays 1: Python sets it after the hook.
 
+Under torchelastic (``accelerate launch``, ``torchrun``) the process that says it also writes
+the line into its error file (``TORCHELASTIC_ERROR_FILE``, torch's ``record`` format), so the
+launcher's closing "Root Cause" block shows the refusal instead of "To enable traceback see
+...". torch's elastic agent restarts a failed job whatever the cause (``--max_restarts N``:
+no exit status or error-file field stops it), so a refusal comes back in every round; each
+machine prints a given refusal once per job (a file in the temporary directory, named by
+the launcher's run id and process, remembers what the rounds before said).
+
 Every other uncaught error keeps its traceback, and ``HF_FLEXDEMO_TRACEBACK=1`` gives the
 refusals theirs back (on every process). ``torch.distributed`` wraps the hook it finds at
 ``init_process_group`` to prefix each line with ``[rankN]:``, which reaches ours too.
@@ -20,9 +28,13 @@ refusals theirs back (on every process). ``torch.distributed`` wraps the hook it
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import TracebackType
 
 TRACEBACK_ENV = "HF_FLEXDEMO_TRACEBACK"
@@ -62,7 +74,8 @@ class RefusalHook:
     def __call__(self, kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
         if _wants_traceback() or not is_refusal(error):
             self.previous(kind, error, tb)
-        elif _first_process_of_launch():
+            return
+        if _first_process_of_launch():
             _say(error, "")
         elif "TORCHELASTIC_RUN_ID" in os.environ:
             # The launcher stops every worker when the first one exits: let the one that speaks exit first.
@@ -71,13 +84,52 @@ class RefusalHook:
             _say(error, f" on rank {os.environ.get('RANK', '?')}")
 
 
-def _say(error: BaseException, where: str) -> None:
+def _line(error: BaseException, where: str) -> str:
     # A ValueError is a refused setting; hf_flexdemo's own errors (replicas drifted, Lighthouse lost) stop a run.
     verb, kind = ("refused", "") if isinstance(error, ValueError) else ("stopped", f"{type(error).__name__}: ")
-    print(
-        f"hf_flexdemo {verb} this run{where}: {kind}{error}\n({TRACEBACK_ENV}=1 shows the traceback.)", file=sys.stderr
-    )
+    return f"hf_flexdemo {verb} this run{where}: {kind}{error}"
+
+
+def _say(error: BaseException, where: str) -> None:
+    line = _line(error, where)
+    _record_for_launcher(line)
+    if _said_in_an_earlier_round(line):
+        return
+    print(f"{line}\n({TRACEBACK_ENV}=1 shows the traceback.)", file=sys.stderr)
     sys.stderr.flush()
+
+
+def _record_for_launcher(line: str) -> None:
+    """The launcher's failure summary reads this file: its Root Cause then shows ``line``."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    # torch's string form of the message is shown as it is (its dict form would show a traceback).
+    message = f"{line} ({TRACEBACK_ENV}=1 shows the traceback.)"
+    try:
+        Path(path).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+    except OSError:
+        pass  # the summary then says what it always said
+
+
+def _said_in_an_earlier_round(line: str) -> bool:
+    """Whether this launch already printed ``line`` in an earlier restart round (and remember it if not)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run is None:
+        return False
+    # The launcher (the parent) lives through every round; its run id alone may repeat between jobs.
+    key = hashlib.sha256(f"{run}-{os.getppid()}".encode()).hexdigest()[:16]
+    record = Path(tempfile.gettempdir()) / f"hf_flexdemo-refusals-{key}.txt"
+    digest = hashlib.sha256(line.encode()).hexdigest()
+    try:
+        said = record.read_text().split() if record.exists() else []
+        if digest in said and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            return True
+        with record.open("a") as file:
+            file.write(digest + "\n")
+    except OSError:
+        pass
+    return False
 
 
 _INSTALLED = False

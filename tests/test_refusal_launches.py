@@ -20,6 +20,8 @@ CPU_1X2 = CPU_2X2.replace("num_processes: 4", "num_processes: 2").replace("repli
 """Half the start-up cost, where the layout does not matter."""
 LAUNCHER_TRACEBACK_END = "errors.ChildFailedError:"
 """The launcher's own summary ends its traceback with this; workers' tracebacks do not."""
+ROOT_CAUSE = "Root Cause (first observed failure):"
+"""Where the launcher's summary names the failure it blames (from the worker's error file)."""
 
 
 def launch(tmp_path, config: str = CPU_2X2, launcher_args=(), script_args=(), **env: str):
@@ -37,14 +39,27 @@ def launch(tmp_path, config: str = CPU_2X2, launcher_args=(), script_args=(), **
 
 
 def assert_refused_once(returncode: int, output: str, message: str) -> None:
+    """Said once by the first process, and once more as the root cause in the launcher's closing summary."""
     assert returncode != 0, output[-3000:]
-    assert output.count(message) == 1, output[-6000:]
+    said, _, summary = output.partition(ROOT_CAUSE)
+    assert said.count(message) == 1, output[-6000:]
+    assert "traceback : hf_flexdemo refused this run: " in summary and message in summary, summary
     assert output.count("Traceback (most recent call last)") == output.count(LAUNCHER_TRACEBACK_END), output[-6000:]
     assert "HF_FLEXDEMO_TRACEBACK=1" in output
 
 
 def test_a_refusal_is_said_once_by_the_first_process_without_a_traceback(tmp_path):
     returncode, output = launch(tmp_path, script_args=["--optim_args", "value_bits=3"])
+    assert_refused_once(returncode, output, "value_bits=3 is invalid; value_bits must be one of (0, 1, 2, 4, 8)")
+
+
+def test_a_refusal_is_said_once_per_machine_across_restart_rounds(tmp_path):
+    # torch's agent restarts a refused job like any failed one: every round refuses again, silently after the first.
+    flags = ["--rdzv_backend", "c10d", "--max_restarts", "1"]
+    returncode, output = launch(
+        tmp_path, CPU_1X2, flags, ["--optim_args", "value_bits=3"], TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"
+    )
+    assert "/attempt_1/0/error.json" in output, output[-3000:]  # the summary is the second round's
     assert_refused_once(returncode, output, "value_bits=3 is invalid; value_bits must be one of (0, 1, 2, 4, 8)")
 
 

@@ -92,3 +92,29 @@ def test_an_fsdp1_reshard_value_under_fsdp2_is_refused_with_its_fsdp2_spelling(m
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", value)
     with pytest.raises(ValueError, match=f"fsdp_reshard_after_forward={value.upper()} is FSDP1's spelling.*{write}"):
         FullyShardedDataParallelPlugin()
+
+
+def test_the_launchers_root_cause_is_the_refusal(monkeypatch, tmp_path, capsys):
+    # torchelastic's summary shows a worker's error file as its "Root Cause"; without it, "To enable traceback see".
+    import json
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    hook_output(raised(parse_optim_args, "topk=0x"), capsys)
+    message = json.loads(error_file.read_text())["message"]
+    assert message.startswith("hf_flexdemo refused this run: FlexDeMo optim_args: topk='0x' is not int")
+    assert "HF_FLEXDEMO_TRACEBACK=1" in message
+
+
+def test_a_refusal_is_printed_once_across_the_launchers_restart_rounds(monkeypatch, tmp_path, capsys):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    printed = []
+    for restart, optim_args in ((0, "topk=0x"), (1, "topk=0x"), (2, "chunk=0x")):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+        printed.append(hook_output(raised(parse_optim_args, optim_args), capsys)[0])
+    assert "topk='0x'" in printed[0] and printed[1] == "" and "chunk='0x'" in printed[2]  # a new refusal is said
