@@ -162,20 +162,32 @@ def a_finished_job_is_not_started_over(node: Node) -> None:
 @pytest.mark.faults
 @pytest.mark.parametrize("scheme", ALL_SCHEMES)
 def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(lighthouse, tmp_path, scheme):
-    """Three single-process nodes; node 2 dies inside a collective of a step all three joined (step 10 on)."""
+    """Three single-process nodes; node 2 dies inside a collective of a step all three joined (step 10 on).
+
+    Node 2 starts once nodes 0 and 1 train together, so that each survivor has a record of the
+    step before the one node 2 dies in, whichever of them started first.
+    """
     extra = ",inner_steps=5" if scheme in ("diloco", "sparseloco") else ""
     if scheme == "demo_shared":
         scheme, extra = "demo", ",shared_indices=true"
     flags = [*TINY, "--max_steps", "80", "--step_delay", "0.05", *ft_args(f",scheme={scheme}{extra}")]
-    nodes = nodes_of(3, lighthouse, tmp_path, *flags, processes=1, extra={2: ("--kill_node_in_exchange_at", "10")})
-    for node in nodes:
-        node.start()
+    slow = tmp_path / "slow_until_node2_died"  # however long node 2 takes to start, the others still train
+    slow_nodes = ("--slow_while", str(slow))
+    extra_flags = {0: slow_nodes, 1: slow_nodes, 2: ("--kill_node_in_exchange_at", "10")}
+    nodes = nodes_of(3, lighthouse, tmp_path, *flags, processes=1, extra=extra_flags)
+    slow.touch()
+    nodes[0].start()
+    nodes[1].start()
+    together = lambda: all(any(p["replicas"] == 2 for p in node.progress()) for node in nodes[:2])  # noqa: E731
+    wait_until(together, 180, "nodes 0 and 1 to train together", running=nodes[:2])
+    nodes[2].start()
+    assert nodes[2].wait(180) != 0  # it killed itself
+    slow.unlink()
     finish(nodes[:2])
-    assert nodes[2].wait(60) != 0  # it killed itself
     recorded = nodes[2].progress()
     if recorded:
         died_in = recorded[-1]["step"] + 1
-    else:  # a slow start: it joined past step 10, healed, and died in its first exchange, the survivors' last of 3
+    else:  # it joined past step 10, healed, and died in its first exchange, the survivors' last of 3
         died_in = max(p["step"] for p in nodes[0].progress() if p["replicas"] == 3)
     for survivor in nodes[:2]:
         at = {p["step"]: p for p in survivor.progress()}
@@ -310,10 +322,13 @@ def test_a_lost_lighthouse_stops_the_nodes_with_its_address(lighthouse, tmp_path
 def test_a_node_relaunched_alone_resumes_its_checkpoint_with_its_committed_steps(lighthouse, tmp_path):
     """Lost past checkpoint-5, the node relaunched alone resumes it, its committed steps too, and says it is behind."""
     flags = [*TINY, "--max_steps", "12", "--step_delay", "0.2", "--save_strategy", "steps", "--save_steps", "5"]
-    node = nodes_of(1, lighthouse, tmp_path, *flags, *ft_args(), processes=1)[0]
+    slow = tmp_path / "slow_until_killed"  # the kill lands before checkpoint-10, however late the test looks
+    node = nodes_of(1, lighthouse, tmp_path, *flags, *ft_args(), processes=1, extra={0: ("--slow_while", str(slow))})[0]
+    slow.touch()
     node.start()
-    wait_until(lambda: node.step() >= 7, 180, "the node to pass checkpoint-5")
+    wait_until(lambda: node.step() >= 7, 180, "the node to pass checkpoint-5", running=[node])
     node.kill()
+    slow.unlink()
     checkpoint = node.dir / "checkpoint-5"
     assert "flexdemo_quorum.json" in (checkpoint / MARKER).read_text()  # inside the marker
     saved = json.loads((checkpoint / "flexdemo_quorum.json").read_text())["step"]
@@ -329,13 +344,16 @@ def test_a_node_relaunched_alone_resumes_its_checkpoint_with_its_committed_steps
 @pytest.mark.faults
 def test_a_node_with_other_settings_is_refused_when_it_meets_the_others(lighthouse, tmp_path):
     flags = [*TINY, "--max_steps", "150", "--step_delay", "0.1"]
-    nodes = nodes_of(2, lighthouse, tmp_path, *flags, processes=1)
+    slow = tmp_path / "slow_until_node1_stopped"  # however long node 1 takes to start, node 0 still trains
+    nodes = nodes_of(2, lighthouse, tmp_path, *flags, processes=1, extra={0: ("--slow_while", str(slow))})
     nodes[0].command += ft_args()
     nodes[1].command += ft_args(",topk=4")  # the later key wins: topk=4 on node 1
+    slow.touch()
     nodes[0].start()
-    wait_until(lambda: nodes[0].step() >= 2, 120, "node0 to train")
+    wait_until(lambda: nodes[0].step() >= 2, 120, "node0 to train", running=nodes[:1])
     nodes[1].start()
-    assert nodes[1].wait(120) != 0
+    assert nodes[1].wait(180) != 0
+    slow.unlink()
     assert "flexdemo.settings.topk: node0 has 8, this node 4" in nodes[1].log()
     finish(nodes[:1])  # the running node is not disturbed
     assert nodes[0].result(0)["global_step"] == 150
