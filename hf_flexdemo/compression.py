@@ -13,6 +13,7 @@ for top-k. Indices sent on the wire are positions inside a tile (row-major).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -139,6 +140,11 @@ class ChunkPlan:
         tile_rows = largest_divisor_at_most(rows, chunk)
         tile_cols = largest_divisor_at_most(cols, chunk)
         return cls(rows, cols, tile_rows, tile_cols, min(topk, tile_rows * tile_cols))
+
+    def stacked(self, count: int) -> ChunkPlan:
+        """The plan of ``count`` such tensors stacked by rows (a bucket): the same tiles, one tensor's after
+        another's, so every per-tile operation on the stack is that operation on each tensor."""
+        return dataclasses.replace(self, rows=self.rows * count)
 
     @property
     def tile_size(self) -> int:

@@ -123,3 +123,19 @@ class StateView:
 
     def __contains__(self, key: str) -> bool:
         return key in self.raw
+
+    def read(self, key: str) -> torch.Tensor:
+        """The local values of an existing entry (a parameter-shaped view, or a plain number)."""
+        value = local_tensor(self.raw[key])
+        return value.view(self.local_param.shape) if value.numel() == self.local_param.numel() else value
+
+    # Binding: make ``local`` (a view into a bucket's buffer) the entry ``key``, in the entry's layout.
+
+    def bind_per_replica(self, key: str, local: torch.Tensor) -> None:
+        self.raw[key] = self.store.per_replica(self.param, local)
+
+    def bind_shared(self, key: str, local: torch.Tensor) -> None:
+        self.raw[key] = self.store.shared(self.param, local)
+
+    def bind_plain(self, key: str, local: torch.Tensor) -> None:
+        self.raw[key] = local

@@ -97,8 +97,10 @@ def test_dense_all_reduce_counterfactual_and_compression(ranks):
     + ["demo_adam", "full_adam", "demo_ortho", "full_ortho", "demo_ortho_adam"],
 )
 def test_sharded_replicas_match_the_one_process_reference(ranks, config):
-    # Orthogonal: Newton-Schulz runs in float32 (on the whole matrix, gathered inside the node).
-    tolerance = 1e-6 if "ortho" in config else 1e-12
+    # Orthogonal: Newton-Schulz runs in float32 on both sides (on the whole matrix, gathered inside the node),
+    # here as a batched product with fused additions, there as a plain one. The iterates differ by float32
+    # ulps, which the iteration's growth of small singular values amplifies: 8 steps of lr 0.05 stay under 1e-5.
+    tolerance = 1e-5 if "ortho" in config else 1e-12
     for rank in ranks:
         result = rank["oracle"][config]
         assert result["max_abs_err"] <= tolerance * max(1.0, result["scale"]), result

@@ -9,6 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from hf_flexdemo import FlexDeMo
+from hf_flexdemo.buckets import Bucket, ParamSlot, build_buckets
 from hf_flexdemo.compression import (
     ChunkPlan,
     flat_positions,
@@ -18,7 +19,7 @@ from hf_flexdemo.compression import (
     to_coefficients,
 )
 from hf_flexdemo.optim.flexdemo_reference import FlexDeMoReference
-from hf_flexdemo.schemes import DeMoScheme, ParamSlot, StepContext
+from hf_flexdemo.schemes import DeMoScheme, StepContext
 from hf_flexdemo.state_store import StateStore, StateView
 from hf_flexdemo.topology import ReplicaTopology
 
@@ -41,15 +42,20 @@ def grads_for(step, params):
 @pytest.mark.parametrize("scheme", ["demo", "random", "striding", "full", "none", "diloco"])
 @pytest.mark.parametrize("sign", [False, True])
 def test_one_replica_matches_the_reference(scheme, sign):
-    params, _, ref = run_with_reference(scheme=scheme, sign=sign)
+    params, opt, ref = run_with_reference(scheme=scheme, sign=sign)
+    # The default rule on demo, full and none is orthogonal: its Newton-Schulz is a batched product with
+    # fused additions (baddbmm), the reference's a plain one, both in float32, so they agree to float32's
+    # rounding of a unit-scale step times lr (1e-6 here). Every other rule agrees to float64's.
+    atol = 1e-6 if opt.config.update == "orthogonal" else 1e-12
     for p, q in zip(params, ref.params[0]):
-        torch.testing.assert_close(p.detach(), q, atol=1e-12, rtol=0)
+        torch.testing.assert_close(p.detach(), q, atol=atol, rtol=0)
 
 
 def run_with_reference(steps: int = 12, **hp):
     """One replica of FlexDeMo and of the reference, stepped on the same gradients: (params, opt, ref)."""
     params = make_params()
-    hp = {**SMALL, **hp}
+    # Newton-Schulz in float32 (the default, bf16, is compared with it in test_update_rules.py).
+    hp = {**SMALL, "ns_dtype": "float32", **hp}
     ref = FlexDeMoReference([p.detach() for p in params], replicas=1, **hp)
     opt = FlexDeMo(params, **hp)
     for step in range(steps):
@@ -133,14 +139,19 @@ def test_parameter_without_gradient_counts_as_zero_gradient(scheme):
     assert not torch.equal(a[1], make_params()[1])  # weight decay and the shared update still move it
 
 
+def one_bucket(p: torch.nn.Parameter, opt: FlexDeMo) -> Bucket:
+    """A bucket of ``p`` alone, as the optimizer's first step builds it, with ``p``'s gradient."""
+    state = StateView(StateStore(ReplicaTopology.single()), p, p.detach(), {})
+    slot = ParamSlot(p.detach(), state, opt.param_groups[0], 1)
+    return build_buckets([[slot]])[0].for_step(p.grad.unsqueeze(0))
+
+
 def test_demo_payload_is_uint16_indices_and_values_in_the_chosen_dtype():
     p = torch.nn.Parameter(torch.randn(128, 64))
     p.grad = torch.randn(128, 64)
     for value_dtype, expected in (("param", torch.float32), ("bf16", torch.bfloat16)):
         opt = FlexDeMo([p], value_dtype=value_dtype)
-        store = StateStore(ReplicaTopology.single())
-        slot = ParamSlot(p.detach(), p.grad, StateView(store, p, p.detach(), {}), opt.param_groups[0], 1)
-        payload = DeMoScheme(opt.config).local_step(slot, StepContext(step=1, replicate=True, replicas=1))
+        payload = DeMoScheme(opt.config).local_step(one_bucket(p, opt), StepContext(step=1, replicate=True, replicas=1))
         indices, values = payload
         plan = ChunkPlan.for_shape((128, 64), 64, 32)
         assert indices.dtype == torch.uint16 and values.dtype == expected
@@ -151,9 +162,8 @@ def test_packed_indices_take_12_bits_each_for_64x64_tiles():
     p = torch.nn.Parameter(torch.randn(128, 64))
     p.grad = torch.randn(128, 64)
     opt = FlexDeMo([p], pack_indices=True)
-    store = StateStore(ReplicaTopology.single())
-    slot = ParamSlot(p.detach(), p.grad, StateView(store, p, p.detach(), {}), opt.param_groups[0], 1)
-    indices, values = DeMoScheme(opt.config).local_step(slot, StepContext(step=1, replicate=True, replicas=1))
+    ctx = StepContext(step=1, replicate=True, replicas=1)
+    indices, values = DeMoScheme(opt.config).local_step(one_bucket(p, opt), ctx)
     plan = ChunkPlan.for_shape((128, 64), 64, 32)
     assert indices.dtype == torch.uint8 and indices.numel() == plan.n_tiles * 32 * 12 // 8  # 25% fewer than uint16
     assert values.shape == (plan.n_tiles, 32)
@@ -244,7 +254,7 @@ class _HostSyncCounter(TorchFunctionMode):
 
 
 def assert_host_syncs_bounded(**hp) -> FlexDeMo:
-    """Steps with 3 and with 30 parameters read back as many values, at most 2 per step; returns the last optimizer."""
+    """Steps with 3 and with 30 parameters read back nothing after the first; returns the last optimizer."""
     counts = {}
     for n in (3, 30):
         params = [torch.nn.Parameter(torch.randn(16, 8)) for _ in range(n)]
@@ -255,8 +265,9 @@ def assert_host_syncs_bounded(**hp) -> FlexDeMo:
             with _HostSyncCounter() as counter:
                 opt.step()
             counts.setdefault(n, []).append(counter.count)
-    # The first step checks the layout (once per parameter); later steps read back the step count only.
-    assert counts[3][1:] == counts[30][1:] and max(counts[30][1:]) <= 2, counts
+    # The first step checks the layout (once per parameter) and reads the step count; later steps keep it on
+    # the host.
+    assert counts[3][1:] == counts[30][1:] and max(counts[30][1:]) == 0, counts
     return opt
 
 

@@ -28,7 +28,8 @@ def test_one_replica_matches_the_reference(scheme, update):
     if update == "orthogonal_adam":  # the tensors it does not orthogonalize take adam
         hp.update(update="orthogonal", elementwise_update="adam")
     params, opt, ref = run_with_reference(**hp)
-    # Newton-Schulz runs in float32 in both: float32's precision bounds the difference there.
+    # Newton-Schulz runs in float32 in both (run_with_reference sets ns_dtype), one as a batched product with
+    # fused additions: float32's rounding of a unit-scale step times lr bounds the difference there.
     atol = 1e-6 if update.startswith("orthogonal") else 1e-12
     for p, q in zip(params, ref.params[0]):
         torch.testing.assert_close(p.detach(), q, atol=atol, rtol=0)
@@ -268,8 +269,9 @@ def test_elementwise_update_in_a_parameter_group_is_refused():
 def test_matrices_are_dealt_to_owners_largest_first_to_the_least_loaded():
     from hf_flexdemo.updates.orthogonal import deal_owners
 
-    assert deal_owners((100, 10, 50, 50), 2) == (0, 0, 1, 1)  # loads 110 and 100
-    assert deal_owners((5, 5, 5), 4) == (0, 1, 2)  # a process may own nothing
+    # Buckets of (matrices, entries each): one of 100, one of 10, two of 50.
+    assert deal_owners(((1, 100), (1, 10), (2, 50)), 2) == ((1, 0), (1, 0), (0, 2))  # loads 110 and 100
+    assert deal_owners(((3, 5),), 4) == ((1, 1, 1, 0),)  # a process may own nothing
     assert deal_owners((), 2) == ()
 
 
@@ -332,15 +334,19 @@ class ThreadedAllToAll:
 
 
 @pytest.mark.parametrize(
-    ("shapes", "size"),
+    ("buckets", "size"),
     [
-        ([(5, 3)], 4),  # uneven shards, the last empty; three processes own nothing
-        ([(8, 8), (5, 3), (3, 7), (16, 2), (2, 9)], 4),  # fewer rows than processes
-        ([(10, 3)] * 7, 3),  # several matrices per owner
+        ([((5, 3), 1)], 4),  # uneven shards, the last empty; three processes own nothing
+        ([((8, 8), 1), ((5, 3), 2), ((3, 7), 1), ((16, 2), 3), ((2, 9), 1)], 4),  # fewer rows than processes
+        ([((10, 3), 7)], 3),  # several matrices per owner
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_owner_orthogonalizes_whole_matrices_and_every_process_gets_its_rows(monkeypatch, shapes, size, dtype):
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_each_owner_orthogonalizes_whole_matrices_and_every_process_gets_its_rows(
+    monkeypatch, buckets, size, dtype, ns_dtype
+):
+    """Buckets of ``count`` matrices of one shape, row-sharded over ``size`` processes (threads here)."""
     from types import SimpleNamespace
 
     from hf_flexdemo.updates import orthogonal
@@ -348,18 +354,18 @@ def test_each_owner_orthogonalizes_whole_matrices_and_every_process_gets_its_row
     fake = ThreadedAllToAll(size)
     monkeypatch.setattr(orthogonal, "_all_to_all", fake)
     g = torch.Generator().manual_seed(0)
-    wholes = [torch.randn(shape, generator=g).to(dtype) for shape in shapes]
+    wholes = [torch.randn(count, *shape, generator=g).to(dtype) for shape, count in buckets]
     rows_back = {}
 
     def process(rank):
         fake.local.rank, fake.local.calls = rank, 0
         items = []
         for whole in wholes:
-            chunks = torch.chunk(whole, size)  # FSDP2's row split
-            local = chunks[rank] if rank < len(chunks) else whole[:0]
-            slot = SimpleNamespace(state=SimpleNamespace(param=whole), param=local)
-            items.append(SimpleNamespace(slot=slot, update=local.reshape(-1)))
-        rows_back[rank] = orthogonal._orthogonalize_by_owner(items, None, size, rank)
+            chunks = torch.chunk(whole, size, dim=1)  # FSDP2's row split of each matrix
+            local = chunks[rank] if rank < len(chunks) else whole[:, :0]
+            bucket = SimpleNamespace(full_shape=whole.shape[1:], count=whole.shape[0], shape=local.shape[1:])
+            items.append(SimpleNamespace(bucket=bucket, update=local.reshape(-1)))
+        rows_back[rank] = orthogonal._orthogonalize_by_owner(items, None, size, rank, ns_dtype)
 
     threads = [threading.Thread(target=process, args=(rank,)) for rank in range(size)]
     for thread in threads:
@@ -367,8 +373,29 @@ def test_each_owner_orthogonalizes_whole_matrices_and_every_process_gets_its_row
     for thread in threads:
         thread.join()
     for i, whole in enumerate(wholes):
-        mine = torch.cat([rows_back[rank][i] for rank in range(size)])
-        assert torch.equal(mine, orthogonal.scaled_newton_schulz(whole))  # what one process computes alone
+        mine = torch.cat([rows_back[rank][i] for rank in range(size)], dim=1)
+        for m in range(whole.shape[0]):  # what one process computes alone, matrix by matrix
+            torch.testing.assert_close(mine[m], orthogonal.scaled_newton_schulz(whole[m], ns_dtype), atol=0, rtol=0)
+
+
+def test_newton_schulz_in_bf16_orthogonalizes_as_float32_does():
+    """The default ns_dtype: Muon's bf16 iteration gives the float32 result to bf16's precision, and a tiny
+    update (lr * grad about 1e-30, whose squares vanish in float32) gives the same step."""
+    g = torch.Generator().manual_seed(0)
+    update = torch.randn(4, 48, 32, generator=g)
+    full = orthogonal_step(update, torch.float32)
+    half = orthogonal_step(update, torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+    relative = (half.float() - full).norm() / full.norm()
+    assert relative < 0.02, relative
+    tiny = orthogonal_step(update * 2.0**-100, torch.bfloat16)  # a power of two: scaling it is exact
+    torch.testing.assert_close(tiny, half, atol=0, rtol=0)
+
+
+def orthogonal_step(update, dtype):
+    from hf_flexdemo.updates.orthogonal import scaled_newton_schulz
+
+    return scaled_newton_schulz(update, dtype)
 
 
 def test_resuming_with_another_rule_for_norms_and_biases_is_refused():

@@ -26,25 +26,28 @@ class ByteCounters:
     """FlexDeMo's counters (a mixin: it reads the optimizer's scheme, state and groups)."""
 
     def _count(self, job: _InFlight, stats: CommStats) -> None:
-        """Add the step's bytes on the host; they reach the state tensors at the next read or save.
+        """Add the step's bytes on the host, per bucket; they reach the state tensors at the next read or save.
 
         Counted per step with that step's number of replicas (a quorum's size can change).
         """
         dense, replicas = 0, job.ctx.replicas
-        for slot, payload, seen in zip(job.slots, job.payloads, job.grad_bytes):
-            slot.state.counters(COUNTERS, 2)  # created with the rest of the state, for checkpoints
+        for bucket, payload, seen in zip(job.buckets, job.payloads, job.grad_bytes):
             sent = self._wire_bytes(sum(nbytes(t) for t in payload), replicas) if job.ctx.replicate else 0
-            pending = self._uncounted.setdefault(slot.state.param, [0, 0])
-            pending[0] += sent
-            pending[1] += ring_all_reduce_bytes(seen, replicas)
-            dense += seen
+            pending = self._uncounted.setdefault(id(bucket.slots), [bucket.slots, 0, 0])
+            pending[1] += sent
+            pending[2] += ring_all_reduce_bytes(seen, replicas) * bucket.count
+            dense += seen * bucket.count
         stats.dense_bytes = ring_all_reduce_bytes(dense, replicas)
         self.last_step_stats = stats
 
     def _flush_counters(self) -> None:
-        for param, (sent, seen) in self._uncounted.items():
-            counters = self.state[param][COUNTERS]
-            local_tensor(counters).add_(torch.tensor([sent, seen], dtype=torch.int64).to(counters.device))
+        """Each bucket's bytes into its parameters' counters: split evenly, the remainder to the first."""
+        for slots, sent, seen in self._uncounted.values():
+            share, extra = divmod(sent, len(slots))
+            for i, slot in enumerate(slots):
+                counters = slot.state.counters(COUNTERS, 2)
+                mine = [share + (extra if i == 0 else 0), seen // len(slots)]
+                counters.add_(torch.tensor(mine, dtype=torch.int64).to(counters.device))
         self._uncounted.clear()
 
     @property

@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..buckets import Bucket, ParamSlot, build_buckets
 from ..config import FlexDeMoConfig, validate_group
 from ..dtensor_utils import local_tensor
-from ..schemes import Collective, Decoded, ParamSlot, StepContext, build_scheme
+from ..schemes import Collective, Decoded, StepContext, build_scheme
 from ..state_store import StateStore, StateView
 from ..topology import (
     ReplicaTopology,
@@ -52,7 +53,7 @@ from ..wire import (
     all_reduce_mean_packed,
     nbytes,
 )
-from .counters import ByteCounters
+from .counters import COUNTERS, ByteCounters
 from .replica_state import ReplicaState, restore
 
 logger = logging.getLogger(__name__)
@@ -62,14 +63,14 @@ logger = logging.getLogger(__name__)
 class _InFlight:
     """One step's exchange: started, not yet applied (at once, or next step with ``overlap``)."""
 
-    slots: list[ParamSlot]
+    buckets: list[Bucket]
     payloads: list[list[torch.Tensor]]
     exchange: Exchange
     ctx: StepContext
     bounds: list[tuple[int, int]]
-    """Where each parameter's tensors sit in the packed list."""
+    """Where each bucket's tensors sit in the packed list."""
     grad_bytes: list[int]
-    """Each parameter's gradient size (the dense baseline); the gradients themselves are released."""
+    """One parameter's gradient size per bucket (the dense baseline); the gradients themselves are released."""
     undo: list | None = None
     """Fault tolerance: what the step changed before its exchange, restored if the node does not commit."""
 
@@ -112,6 +113,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         *,
         update: str | None = None,
         elementwise_update: str | None = None,
+        ns_dtype: str = "bf16",
         decode: str = "selected",
         value_dtype: str = "param",
         scheme: str = "demo",
@@ -145,6 +147,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             sign=sign,
             update=update,
             elementwise_update=elementwise_update,
+            ns_dtype=ns_dtype,
             decode=decode,
             value_dtype=value_dtype,
             scheme=scheme,
@@ -184,7 +187,10 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         self.last_step_stats = CommStats()
         self._pending: _InFlight | None = None  # overlap: the last step's exchange
         self._verify_state = True  # check saved state against this layout at the next step (costs host syncs)
-        self._uncounted: dict[torch.Tensor, list[int]] = {}  # bytes per parameter not yet added to the state
+        self._uncounted: dict[int, list] = {}  # per bucket: [slots, bytes sent, dense bytes] not yet in the state
+        self._buckets: list[Bucket] = []  # built at the first step (see _bucketed)
+        self._bucket_signature: tuple[int, ...] = ()
+        self._host_step: int | None = None  # steps taken, mirrored on the host (no sync per step)
         self._managed = None  # fault tolerance: the ManagedReplicas that decide who the replicas are each step
         if mesh is not None:
             self.attach(mesh, replicate_dim)
@@ -310,6 +316,9 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
                 "The Trainer and Accelerate attach it; in your own loop call "
                 "optimizer.attach_managed(hf_flexdemo.fault_tolerance.node_replicas(optimizer.config))."
             )
+        first = next((p for group in self.param_groups for p in group["params"] if p.requires_grad), None)
+        if first is None:
+            return False
         creating_state = (
             managed is not None
             and not managed.round_open
@@ -318,58 +327,48 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         )
         if managed is None:
             self.topology  # noqa: B018  (decides the topology and state layout on first use)
-        slots = self._slots(with_grads=not sync_only)
-        if not slots:
-            return False
         in_round = managed is not None and not creating_state
+        healed_now = False
         if in_round:
-            if sync_only and "step" not in slots[0].state:
+            if sync_only and "step" not in self.state.get(first, {}):
                 return False  # nothing trained yet
-            if managed.begin() and not sync_only:
-                # The round opened here, after the backward pass, and replaced the parameters: this
-                # gradient belongs to the old ones, so the step folds in nothing.
-                for slot in slots:
-                    slot.grad = torch.zeros_like(slot.param)
-            if sync_only and not self._needs_sync(slots):
-                # Decided after healing, so every node decides alike; the round closes with nothing sent.
-                managed.commit()
-                return False
+            # The round may open here, after the backward pass, and replace the parameters: this
+            # gradient then belongs to the old ones, so the step folds in nothing.
+            healed_now = managed.begin() and not sync_only
+        buckets = self._bucketed()
+        if in_round and sync_only and not self._needs_sync():
+            # Decided after healing, so every node decides alike; the round closes with nothing sent.
+            managed.commit()
+            return False
         topology = ReplicaTopology.single() if creating_state else self.topology
-        if "step" not in slots[0].state:
-            self._start(slots)
         if not sync_only:
             self.flush()  # overlap: the previous step's update lands before this step's local maths
-            for slot in slots:
-                slot.state.raw["step"] += 1
-        step = int(slots[0].state.raw["step"])
-        if sync_only and not in_round and not self._needs_sync(slots):
+            taken = self._steps_taken()
+            for bucket in buckets:
+                bucket.scalars("step", torch.int64).add_(1)
+            self._host_step = taken + 1
+        step = self._steps_taken()
+        if sync_only and not in_round and not self._needs_sync():
             return False
         ctx = StepContext(
             step=step,
             replicate=self.scheme.is_replication_step(step, forced=sync_only),
             replicas=topology.size,
             rank=topology.rank,
-            generator=torch.Generator().manual_seed(self.config.seed * 1_000_003 + step),
         )
         if self.config.rounding == "stochastic":  # each replica its own draws: rounding errors independent
             ctx.noise = torch.Generator().manual_seed((self.config.seed * 1_000_003 + step) * 1_009 + topology.rank)
+        grads = [None if sync_only else self._stacked_grads(bucket, healed_now) for bucket in buckets]
+        stepping = [bucket.for_step(grad) for bucket, grad in zip(buckets, grads)]
+        undo = self._snapshot(stepping, undo_step=not sync_only) if in_round else None
         if not sync_only:
-            for slot in slots:
-                self.scheme.init_state(slot)
-                self._rule(slot).init_state(slot)
-                if self._verify_state:
-                    self.scheme.check_state(slot)
-                    self._rule(slot).check_state(slot)
-            self._verify_state = False
-        undo = self._snapshot(slots, undo_step=not sync_only) if in_round else None
-        if not sync_only:
-            for slot in slots:
-                wd = slot.group["weight_decay"]
+            for bucket in stepping:
+                wd = bucket.group["weight_decay"]
                 if wd:
-                    slot.param.mul_(1 - slot.group["lr"] * wd)
-        payloads = [self.scheme.local_step(slot, ctx) for slot in slots]
+                    torch._foreach_mul_(bucket.params, 1 - bucket.group["lr"] * wd)
+        payloads = [self.scheme.local_step(bucket, ctx) for bucket in stepping]
         overlap = self.config.overlap and ctx.replicate and not sync_only
-        in_flight = self._start_exchange(slots, payloads, ctx, async_op=overlap, topology=topology)
+        in_flight = self._start_exchange(stepping, payloads, ctx, async_op=overlap, topology=topology)
         in_flight.undo = undo
         if overlap:
             self._pending = in_flight
@@ -381,24 +380,33 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         received, stats = job.exchange.wait()
         if job.undo is not None and not self._managed.commit():
             restore(job.undo)  # the step did not happen, on this node or any other
+            self._host_step = None  # the step counts went back: read them again
             return
-        decoded = [self.scheme.apply(slot, part, job.ctx) for slot, part in zip(job.slots, self._split(received, job))]
+        parts = self._split(received, job)
+        decoded = [self.scheme.apply(bucket, part, job.ctx) for bucket, part in zip(job.buckets, parts)]
         self._apply_rules([d for d in decoded if d is not None], job.ctx)
         self._count(job, stats)
 
-    def _rule(self, slot: ParamSlot) -> UpdateRule:
-        return self.rules[slot.group["update"]]
+    def _rule(self, group: dict[str, Any]) -> UpdateRule:
+        return self.rules[group["update"]]
 
     def _apply_rules(self, decoded: list[Decoded], ctx: StepContext) -> None:
-        """Each rule takes its parameters together (``orthogonal`` moves a node's shards in two all-to-alls)."""
+        """Each rule takes its buckets together (``orthogonal`` moves a node's shards in two all-to-alls)."""
         by_rule: dict[str, list[Decoded]] = {}
         for item in decoded:
-            by_rule.setdefault(item.slot.group["update"], []).append(item)
+            by_rule.setdefault(item.bucket.group["update"], []).append(item)
         for name, items in by_rule.items():
             self.rules[name].apply(items, ctx)
 
-    def _needs_sync(self, slots: list[ParamSlot]) -> bool:
-        return self.scheme.needs_sync(slots[0].state, int(slots[0].state.raw["step"]))
+    def _steps_taken(self) -> int:
+        """Optimizer steps taken, kept on the host (read from the state once per build or undo)."""
+        if self._host_step is None:
+            self._host_step = int(self._bucketed()[0].scalars("step", torch.int64)[0])
+        return self._host_step
+
+    def _needs_sync(self) -> bool:
+        first = self._bucketed()[0].slots[0]
+        return self.scheme.needs_sync(first.state, self._steps_taken())
 
     def _is_state_creation(self) -> bool:
         """torch's distributed checkpoint creates state with one step of lr 0 and zero gradients: under a
@@ -408,34 +416,54 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             p.grad is None or not bool(local_tensor(p.grad).any()) for p in params
         )
 
-    def _slots(self, with_grads: bool) -> list[ParamSlot]:
-        slots = []
-        index = 0
-        for live_group in self.param_groups:
-            # A snapshot: with overlap the update lands after the scheduler has changed the
-            # live lr, and it must move parameters by the lr of the step that computed it.
-            group = dict(live_group)
+    def _bucketed(self) -> list[Bucket]:
+        """The buckets of this optimizer's parameters: built at the first step, after the state was replaced
+        (a load or a heal), and when the parameters were swapped (Accelerate's prepare)."""
+        signature = tuple(id(p) for group in self.param_groups for p in group["params"])
+        if self._buckets and not self._verify_state and signature == self._bucket_signature:
+            return self._buckets
+        self._flush_counters()  # bytes counted per bucket reach the parameters' counters before rebuilding
+        slots_by_group, index = [], 0
+        for group in self.param_groups:
+            slots = []
             for p in group["params"]:
                 index += 1
-                if not p.requires_grad:
-                    continue
-                local_p = local_tensor(p)
-                grad = None
-                if with_grads:
-                    if p.grad is not None and p.grad.is_sparse:
-                        raise ValueError("FlexDeMo does not support sparse gradients.")
-                    grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_p)
-                state = StateView(self._store, p, local_p, self.state[p])
-                slots.append(ParamSlot(param=local_p, grad=grad, state=state, group=group, index=index))
-        return slots
+                if p.requires_grad:
+                    local_p = local_tensor(p)
+                    slots.append(ParamSlot(local_p, StateView(self._store, p, local_p, self.state[p]), group, index))
+            slots_by_group.append(slots)
+        all_slots = [slot for slots in slots_by_group for slot in slots]
+        if "step" not in all_slots[0].state:
+            self._start([slot.state.param for slot in all_slots])
+        buckets = build_buckets(slots_by_group)
+        for bucket in buckets:  # every state entry exists from the first step on (see ReplicationScheme.init_state)
+            bucket.scalars("step", torch.int64)
+            self.scheme.init_state(bucket)
+            self._rule(bucket.group).init_state(bucket)
+            for slot in bucket.slots:
+                slot.state.counters(COUNTERS, 2)
+                self.scheme.check_state(slot)
+                self._rule(bucket.group).check_state(slot)
+        self._buckets, self._bucket_signature = buckets, signature
+        self._verify_state = False
+        self._host_step = None
+        return buckets
 
-    def _start(self, slots: list[ParamSlot]) -> None:
+    @staticmethod
+    def _stacked_grads(bucket: Bucket, zero: bool) -> torch.Tensor:
+        """The bucket's gradients as one ``(count, *shape)`` tensor; a missing gradient counts as zeros."""
+        grads = []
+        for slot in bucket.slots:
+            grad = slot.state.param.grad
+            if grad is not None and grad.is_sparse:
+                raise ValueError("FlexDeMo does not support sparse gradients.")
+            grads.append(torch.zeros_like(slot.param) if grad is None or zero else local_tensor(grad))
+        return torch.stack(grads)
+
+    def _start(self, params: list[torch.Tensor]) -> None:
         """First step: check the layout and that every replica starts from the same parameters."""
-        params = [slot.state.param for slot in slots]
         self._check_layout(params)
         if self._managed is not None:  # torchft's first quorum copies the first node's state to the others
-            for slot in slots:
-                slot.state.raw["step"] = torch.zeros((), dtype=torch.int64)
             return
         prints = replica_fingerprints(params, self.topology)
         if len(set(prints)) > 1:
@@ -445,8 +473,6 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
                 prints,
             )
             broadcast_from_first_replica(params, self.topology)
-        for slot in slots:
-            slot.state.raw["step"] = torch.zeros((), dtype=torch.int64)
 
     def _check_layout(self, params: list[torch.Tensor]) -> None:
         topo = self._topology or self.topology
@@ -469,7 +495,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
 
     def _start_exchange(
         self,
-        slots: list[ParamSlot],
+        buckets: list[Bucket],
         payloads: list[list[torch.Tensor]],
         ctx: StepContext,
         async_op: bool,
@@ -488,13 +514,13 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             exchange = all_gather_packed(flat, topology, async_op=async_op)
         else:
             exchange = all_reduce_mean_packed(flat, topology, async_op=async_op)
-        grad_bytes = [nbytes(slot.grad) if slot.grad is not None else 0 for slot in slots]
-        for slot in slots:
-            slot.grad = None  # folded into the state: do not hold gradients through the next step
-        return _InFlight(slots, payloads, exchange, ctx, bounds, grad_bytes)
+        grad_bytes = [nbytes(bucket.grad) // bucket.count if bucket.grad is not None else 0 for bucket in buckets]
+        for bucket in buckets:
+            bucket.grad = None  # folded into the state: do not hold gradients through the next step
+        return _InFlight(buckets, payloads, exchange, ctx, bounds, grad_bytes)
 
     def _split(self, received, job: _InFlight) -> list[Any]:
-        """What each parameter's ``apply`` gets: per replica (all-gather), the mean, or its own payload."""
+        """What each bucket's ``apply`` gets: per replica (all-gather), the mean, or its own payload."""
         if not job.ctx.replicate:
             return [None] * len(job.payloads)
         if received is None:  # nothing crossed nodes (scheme none, or no payload at all)
@@ -519,10 +545,11 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
     @property
     def replicas_should_match(self) -> bool:
         """Whether, by the scheme's design, replicas hold identical parameters right now."""
-        slots = self._slots(with_grads=False)
-        if not slots or "step" not in slots[0].state:
+        first = next((p for group in self.param_groups for p in group["params"] if p.requires_grad), None)
+        if first is None or "step" not in self.state.get(first, {}):
             return True
-        return self.scheme.replicas_match(slots[0].state, int(slots[0].state.raw["step"]))
+        slot = self._bucketed()[0].slots[0]
+        return self.scheme.replicas_match(slot.state, self._steps_taken())
 
     # -- state dict --------------------------------------------------------------------
 

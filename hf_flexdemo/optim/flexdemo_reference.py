@@ -49,11 +49,11 @@ def _tiles(rows: int, cols: int, chunk: int):
     return [(r, c, a, b) for r in range(0, rows, a) for c in range(0, cols, b)]
 
 
-def _newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Muon's quintic iteration, in float32: X <- a X + (b X X^T + c (X X^T)^2) X."""
+def _newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Muon's quintic iteration in ``dtype``, after normalising in float32: X <- a X + (b X X^T + c (X X^T)^2) X."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.to(torch.float32)
-    x = x / (x.norm() + torch.finfo(torch.float32).tiny)
+    x = (x / (x.norm() + torch.finfo(torch.float32).tiny)).to(dtype)
     transposed = x.shape[0] > x.shape[1]
     if transposed:
         x = x.T
@@ -76,6 +76,7 @@ class FlexDeMoReference:
             "sign": True,
             "update": None,  # None: as FlexDeMoConfig resolves it
             "elementwise_update": None,
+            "ns_dtype": "bf16",
             "decode": "selected",
             "scheme": "demo",
             "replicate_every": 1,
@@ -148,7 +149,8 @@ class FlexDeMoReference:
                 flat[j] -= hp["lr"] * g[j] / ((v[j] / (1 - beta2**t)).sqrt() + hp["eps"])
         elif rule == "orthogonal":
             whole, start = self.gather_rows(update.reshape(p.shape))
-            ortho = _newton_schulz(whole) * math.sqrt(max(whole.shape))
+            dtype = torch.bfloat16 if hp["ns_dtype"] == "bf16" else torch.float32
+            ortho = _newton_schulz(whole, dtype=dtype).float() * math.sqrt(max(whole.shape))
             p -= hp["lr"] * ortho[start : start + p.shape[0]].to(p.dtype)
         else:
             flat[at] -= hp["lr"] * (u.sign() if hp["sign"] else u)
@@ -178,12 +180,14 @@ class FlexDeMoReference:
         for r in range(R):
             self._move(r, i, total.reshape(shape))
 
-    def _positions(self, numel: int, generator: torch.Generator) -> torch.Tensor:
+    def _positions(self, numel: int, i: int) -> torch.Tensor:
         block = max(1, round(1 / self.hp["rate"]))
         if self.hp["scheme"] == "striding":
             offset = (self.t // self.hp["replicate_every"] - 1) % block
             return torch.tensor([j for j in range(numel) if j % block == offset], dtype=torch.int64)
         picks = []
+        # Each tensor's own generator, seeded by (seed, step, its 1-based place among the parameters).
+        generator = torch.Generator().manual_seed((self.hp["seed"] * 1_000_003 + self.t) * 1_000_033 + i + 1)
         draws = torch.rand(math.ceil(numel / block), generator=generator, dtype=torch.float64)
         for n, start in enumerate(range(0, numel, block)):
             size = min(block, numel - start)
@@ -191,9 +195,7 @@ class FlexDeMoReference:
         return torch.tensor(picks, dtype=torch.int64)
 
     def _subset(self, i: int) -> None:
-        if i == 0:
-            self._generator = torch.Generator().manual_seed(self.hp["seed"] * 1_000_003 + self.t)
-        where = self._positions(self.anchor[i].numel(), self._generator)
+        where = self._positions(self.anchor[i].numel(), i)
         values = [self.momenta[r][i].reshape(-1)[where].clone() for r in range(self.replicas)]
         mean = sum(values) / self.replicas
         for r in range(self.replicas):

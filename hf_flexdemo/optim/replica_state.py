@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..buckets import Bucket
 from ..dtensor_utils import local_tensor
-from ..schemes import ParamSlot
 from ..state_store import StateView
 from ..topology import ReplicaTopology
 
@@ -71,23 +71,22 @@ class ReplicaState:
             "processes_per_node": dist.get_world_size() if dist.is_initialized() else 1,
         }
 
-    def _snapshot(self, slots: list[ParamSlot], undo_step: bool) -> list:
-        """Copies of what a step changes before its exchange, to undo it: the step count, the state the
+    def _snapshot(self, buckets: list[Bucket], undo_step: bool) -> list:
+        """Copies of what a step changes before its exchange, to undo it: the step counts, the state the
         scheme's local maths changes, and the parameters where weight decay or local steps move them."""
-        keys = self.scheme.local_keys
         saved = []
-        for slot in slots:
-            tensors = {k: local_tensor(slot.state.raw[k]).clone() for k in keys if k in slot.state.raw}
-            tensors["step"] = slot.state.raw["step"] - (1 if undo_step else 0)  # the count already moved on
-            moved = self.scheme.moves_parameters_locally or slot.group["weight_decay"] != 0
-            saved.append((slot, slot.param.clone() if moved else None, tensors))
+        for bucket in buckets:
+            tensors = {k: bucket.buffers[k].clone() for k in self.scheme.local_keys if k in bucket.buffers}
+            tensors["step"] = bucket.buffers["step"] - (1 if undo_step else 0)  # the counts already moved on
+            moved = self.scheme.moves_parameters_locally or bucket.group["weight_decay"] != 0
+            saved.append((bucket, bucket.stacked_params() if moved else None, tensors))
         return saved
 
 
 def restore(saved: list) -> None:
-    for slot, param, tensors in saved:
-        if param is not None:
-            slot.param.copy_(param)
+    for bucket, params, tensors in saved:
+        if params is not None:
+            bucket.copy_to_params(params)
         for key, value in tensors.items():
-            local_tensor(slot.state.raw[key]).copy_(value)
-        slot.carried = None
+            bucket.buffers[key].copy_(value)
+        bucket.carried = None

@@ -1,13 +1,15 @@
 """The contract between the optimizer and a replication scheme.
 
-A step runs in three phases, so that every parameter's payload travels in one collective:
+A step runs in three phases, so that every parameter's payload travels in one collective.
+Each phase takes a :class:`~hf_flexdemo.buckets.Bucket`: the parameters of one group that
+share a local shape, handled as one ``(count, *shape)`` stack.
 
-1. ``local_step(slot, ctx)`` for every parameter: local maths; returns the tensors this
-   parameter sends (or ``[]``);
+1. ``local_step(bucket, ctx)`` for every bucket: local maths; returns the tensors the bucket
+   sends (or ``[]``);
 2. the optimizer packs all payloads into one collective of the scheme's ``collective`` kind;
-3. ``apply(slot, received, ctx)`` for every parameter: decode what arrived into one update
+3. ``apply(bucket, received, ctx)`` for every bucket: decode what arrived into one update
    (:class:`Decoded`), which the parameter group's update rule (:mod:`hf_flexdemo.updates`)
-   turns into a step; the outer-step schemes move the parameter themselves.
+   turns into a step; the outer-step schemes move the parameters themselves.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..buckets import Bucket, ParamSlot
 from ..config import FlexDeMoConfig
 from ..state_store import StateView
 
@@ -43,37 +46,20 @@ class StepContext:
     replicas: int
     rank: int = 0
     """This replica's place among the ``replicas`` (0 to replicas - 1)."""
-    generator: torch.Generator | None = None
-    """Shared by every replica (the same draws everywhere: random's positions)."""
     noise: torch.Generator | None = None
     """This replica's own draws (stochastic rounding)."""
 
 
 @dataclass
-class ParamSlot:
-    """One parameter during one step: its local shard, gradient, state and hyperparameters."""
-
-    param: torch.Tensor
-    grad: torch.Tensor
-    state: StateView
-    group: dict[str, Any]
-    index: int
-    """Position of the parameter in the optimizer (the same on every replica)."""
-    carried: Any = None
-    """What ``local_step`` hands to ``apply``, one value per scheme (None: nothing was sent):
-    demo the ``ChunkPlan`` of the coefficients sent (with ``shared_indices``, and the index set);
-    random/striding the flat positions sent; full and diloco ``True``."""
-
-
-@dataclass
 class Decoded:
-    """One parameter's decoded update after an exchange: identical on every replica."""
+    """One bucket's decoded update after an exchange: identical on every replica."""
 
-    slot: ParamSlot
+    bucket: Bucket
     update: torch.Tensor
-    """The decoded momentum part (``lr`` is already in it); a temporary the rule may change in place."""
+    """The decoded momentum part (``lr`` is already in it), ``count * numel`` entries in the bucket's order
+    (the first parameter's, then the next); a temporary the rule may change in place."""
     where: torch.Tensor | None = None
-    """Flat positions of the local parameter that ``update`` holds (random, striding); None: all of them."""
+    """Flat positions in the bucket that ``update`` holds (random, striding); None: all of them."""
 
 
 class ReplicationScheme(ABC):
@@ -103,27 +89,26 @@ class ReplicationScheme(ABC):
         """Whether :meth:`FlexDeMo.synchronize` at step ``step`` has work to do."""
         return False
 
-    def init_state(self, slot: ParamSlot) -> None:
-        """Create every state entry the scheme will ever use (called each step, before weight decay).
+    def init_state(self, bucket: Bucket) -> None:
+        """Create every state entry the scheme will ever use (when the bucket is built, before weight decay).
 
         Distributed checkpoints load into the state that one zero-gradient step creates, so
-        an entry created later would be dropped silently on resume. Runs every step: no host
-        synchronisation here (checks that read state values belong in :meth:`check_state`).
+        an entry created later would be dropped silently on resume.
         """
 
     def check_state(self, slot: ParamSlot) -> None:
-        """Check existing state against this run's layout: at the first step and after a load only."""
+        """Check one parameter's existing state against this run's layout: when its bucket is built."""
 
     def healed(self, param: torch.Tensor, state: StateView) -> None:
         """After this replica took a peer's parameters and shared state (fault tolerance)."""
 
     @abstractmethod
-    def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
-        """Local maths before the exchange; returns what this parameter sends."""
+    def local_step(self, bucket: Bucket, ctx: StepContext) -> list[torch.Tensor]:
+        """Local maths before the exchange; returns what this bucket sends."""
 
     @abstractmethod
-    def apply(self, slot: ParamSlot, received: Any, ctx: StepContext) -> Decoded | None:
-        """The decoded update for the update rule, or None (nothing sent, or the scheme moved the parameter)."""
+    def apply(self, bucket: Bucket, received: Any, ctx: StepContext) -> Decoded | None:
+        """The decoded update for the update rule, or None (nothing sent, or the scheme moved the parameters)."""
 
-    def wire_dtype(self, slot: ParamSlot) -> torch.dtype:
-        return self.config.wire_dtype or slot.param.dtype
+    def wire_dtype(self, bucket: Bucket) -> torch.dtype:
+        return self.config.wire_dtype or bucket.dtype

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import torch
 
+from ..buckets import Bucket, ParamSlot
 from ..compression import ChunkPlan, decode_replicas, flat_positions, from_coefficients, select_topk, tiles
-from .base import Collective, Decoded, ParamSlot, StepContext
+from .base import Collective, Decoded, StepContext
 from .demo import DeMoScheme
 
 EXACT_POSITIONS = 2**22
@@ -46,15 +47,13 @@ class SharedIndexDeMoScheme(DeMoScheme):
     collective = Collective.ALL_REDUCE
     shared_keys = (INDEX_SET,)
 
-    def init_state(self, slot: ParamSlot) -> None:
-        super().init_state(slot)
-        if INDEX_SET not in slot.state.raw:
-            plan = self.plan(slot)
-            self.mask(slot, plan)
+    def init_state(self, bucket: Bucket) -> None:
+        super().init_state(bucket)
+        self.mask(bucket)
 
     def check_state(self, slot: ParamSlot) -> None:
         super().check_state(slot)
-        plan = self.plan(slot)
+        plan = self.tensor_plan(slot.param.shape, slot.group)
         if plan.n_tiles == 0:
             return
         if plan.tile_size > EXACT_POSITIONS:
@@ -63,7 +62,8 @@ class SharedIndexDeMoScheme(DeMoScheme):
                 f"local shape {tuple(slot.param.shape)}; with shared_indices=True a position must stay exact through "
                 f"the float32 all-reduce, so tiles hold at most {EXACT_POSITIONS}. Use chunk <= 2048 (default 64)."
             )
-        per_tile = tiles(self.mask(slot, plan), plan).sum(1)
+        mask = slot.state.read(INDEX_SET).view(plan.rows, plan.cols)
+        per_tile = tiles(mask, plan).sum(1)
         if not bool((per_tile == plan.k).all()):
             raise RuntimeError(
                 f"FlexDeMo: the shared index set of a parameter of local shape {tuple(slot.param.shape)} holds "
@@ -71,33 +71,34 @@ class SharedIndexDeMoScheme(DeMoScheme):
                 "at most a whole tile). Resume with the topk and chunk the checkpoint was saved with."
             )
 
-    @staticmethod
-    def mask(slot: ParamSlot, plan: ChunkPlan) -> torch.Tensor:
-        """The index set as a ``(rows, cols)`` 0/1 mask; each tile's first ``k`` positions to begin with."""
+    def mask(self, bucket: Bucket) -> torch.Tensor:
+        """The index set as a ``(rows, cols)`` 0/1 mask of the stack; each tile's first ``k`` positions at first."""
 
-        def first_positions() -> torch.Tensor:
-            mask = torch.zeros(plan.rows * plan.cols, dtype=torch.uint8, device=slot.param.device)
+        def first_positions(slot: ParamSlot) -> torch.Tensor:
+            plan = self.tensor_plan(bucket.shape, bucket.group)
+            mask = torch.zeros(plan.rows * plan.cols, dtype=torch.uint8, device=bucket.device)
             first = torch.arange(plan.k, device=mask.device).repeat(plan.n_tiles, 1)
             mask[flat_positions(first, plan)] = 1
-            return mask.view(slot.param.shape)
+            return mask.view(bucket.shape)
 
-        return slot.state.shared(INDEX_SET, first_positions).view(plan.rows, plan.cols)
+        plan = self.plan(bucket)
+        return bucket.shared(INDEX_SET, torch.uint8, first_positions).view(plan.rows, plan.cols)
 
-    def index_set(self, slot: ParamSlot, plan: ChunkPlan) -> torch.Tensor:
+    def index_set(self, bucket: Bucket, plan: ChunkPlan) -> torch.Tensor:
         """``(n_tiles, k)`` tile-local positions, ascending: every replica reads them in the same order."""
         # A stable sort keeps the ones in position order, with a fixed shape (nonzero() would sync the host).
-        order = torch.sort(tiles(self.mask(slot, plan), plan), dim=1, descending=True, stable=True).indices
+        order = torch.sort(tiles(self.mask(bucket), plan), dim=1, descending=True, stable=True).indices
         return order[:, : plan.k]
 
-    def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
-        q = self.accumulate(slot)
-        plan = self.plan(slot)
+    def local_step(self, bucket: Bucket, ctx: StepContext) -> list[torch.Tensor]:
+        q = self.accumulate(bucket)
+        plan = self.plan(bucket)
         if not ctx.replicate:
             return []
         if plan.n_tiles == 0:
-            slot.carried = (plan, None)
+            bucket.carried = (plan, None)
             return []
-        index_set = self.index_set(slot, plan)
+        index_set = self.index_set(bucket, plan)
         where = flat_positions(index_set, plan)
         flat = q.view(-1)
         wire = torch.promote_types(q.dtype, torch.float32)
@@ -106,26 +107,26 @@ class SharedIndexDeMoScheme(DeMoScheme):
         following = torch.zeros(plan.n_tiles * plan.k, dtype=wire, device=q.device)
         if self.leader(ctx) == ctx.rank:
             following.copy_(select_topk(q, plan)[0].reshape(-1))
-        slot.carried = (plan, index_set)
+        bucket.carried = (plan, index_set)
         return [values, following]
 
     def leader(self, ctx: StepContext) -> int:
         """The replica that picks the next step's index set: each in turn."""
         return (ctx.step // self.config.replicate_every) % ctx.replicas
 
-    def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> Decoded | None:
-        if slot.carried is None:
+    def apply(self, bucket: Bucket, received: list[torch.Tensor], ctx: StepContext) -> Decoded | None:
+        if bucket.carried is None:
             return None
-        plan, index_set = slot.carried
+        plan, index_set = bucket.carried
         if plan.n_tiles == 0:
-            return self.empty_update(slot)
+            return self.empty_update(bucket)
         mean, following = received
-        dtype = self.momentum(slot).dtype
+        dtype = self.momentum(bucket).dtype
         parts = [(index_set, mean.view(plan.n_tiles, plan.k))]
         coefficients = decode_replicas(parts, plan, "mean", dtype)
         # The leader's indices arrive divided by R (summed with zeros, then averaged): exact after rounding.
         following = following.mul(ctx.replicas).round_().long().view(plan.n_tiles, plan.k)
-        mask = self.mask(slot, plan).view(-1)
+        mask = self.mask(bucket).view(-1)
         mask.zero_()
         mask[flat_positions(following, plan)] = 1
-        return Decoded(slot, from_coefficients(coefficients, plan))
+        return Decoded(bucket, from_coefficients(coefficients, plan).view(-1))

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Collective, Decoded, ParamSlot, StepContext
+from ..buckets import Bucket
+from .base import Collective, Decoded, StepContext
 from .momentum import MomentumScheme
 
 
@@ -23,17 +24,17 @@ class FullScheme(MomentumScheme):
     name = "full"
     collective = Collective.ALL_REDUCE
 
-    def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
-        m = self.accumulate(slot)
+    def local_step(self, bucket: Bucket, ctx: StepContext) -> list[torch.Tensor]:
+        m = self.accumulate(bucket)
         if not ctx.replicate:
             return []
-        sent = m.to(self.wire_dtype(slot), copy=True)
-        m.sub_(sent.to(m.dtype))
-        slot.carried = True
+        sent = m.to(self.wire_dtype(bucket), copy=True).view(-1)
+        m.sub_(sent.view(m.shape).to(m.dtype))
+        bucket.carried = True
         return [sent]
 
-    def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> Decoded | None:
-        return Decoded(slot, received[0]) if slot.carried else None
+    def apply(self, bucket: Bucket, received: list[torch.Tensor], ctx: StepContext) -> Decoded | None:
+        return Decoded(bucket, received[0]) if bucket.carried else None
 
 
 class NoneScheme(FullScheme):

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from ..buckets import Bucket
 from ..state_store import StateStore, StateView
-from .base import Collective, ParamSlot, ReplicationScheme, StepContext
+from .base import Collective, ReplicationScheme, StepContext
 from .momentum import momentum_dtype
 
 
@@ -41,54 +42,56 @@ class DiLoCoScheme(ReplicationScheme):
     def needs_sync(self, state: StateView, step: int) -> bool:
         return not self.replicas_match(state, step)
 
-    def init_state(self, slot: ParamSlot) -> None:
-        p = slot.param
-        self.anchor(slot)  # the parameters before the first inner step
+    def init_state(self, bucket: Bucket) -> None:
+        dtype = momentum_dtype(bucket.slots[0].param)
+        self.anchor(bucket)  # the parameters before the first inner step
         for key in ("exp_avg", "exp_avg_sq"):
-            slot.state.per_replica(key, lambda: torch.zeros_like(p, dtype=momentum_dtype(p)))
-        slot.state.shared("outer_momentum", lambda: torch.zeros_like(p))
-        slot.state.raw.setdefault("last_outer_step", torch.zeros((), dtype=torch.int64))
+            bucket.per_replica(key, dtype)
+        bucket.shared("outer_momentum", bucket.dtype)
+        bucket.scalars("last_outer_step", torch.int64)
 
     def healed(self, param: torch.Tensor, state: StateView) -> None:
         # Restart the inner loop from the anchor: the peer's inner progress is the peer's to send.
         if "anchor" in state.raw:  # (at step 0 the peer has none yet: its parameters are the anchor)
             param.copy_(StateStore.local(state.raw["anchor"], param))
 
-    def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
-        if slot.grad is not None:
-            self.inner_adamw(slot, ctx.step)
+    def local_step(self, bucket: Bucket, ctx: StepContext) -> list[torch.Tensor]:
+        if bucket.grad is not None:
+            self.inner_adamw(bucket, ctx.step)
         if not ctx.replicate:
             return []
-        anchor = self.anchor(slot)
-        slot.carried = True
-        return [(anchor - slot.param).to(self.wire_dtype(slot))]
+        anchor = self.anchor(bucket)
+        bucket.carried = True
+        return [(anchor - bucket.stacked_params()).to(self.wire_dtype(bucket)).view(-1)]
 
-    def apply(self, slot: ParamSlot, received: list[torch.Tensor], ctx: StepContext) -> None:
-        if not slot.carried:
+    def apply(self, bucket: Bucket, received: list[torch.Tensor], ctx: StepContext) -> None:
+        if not bucket.carried:
             return
-        p, mu = slot.param, self.config.outer_momentum
-        anchor = self.anchor(slot)
-        velocity = slot.state.shared("outer_momentum", lambda: torch.zeros_like(p))
-        delta = received[0].to(p.dtype)
+        mu = self.config.outer_momentum
+        anchor = self.anchor(bucket)
+        velocity = bucket.shared("outer_momentum", bucket.dtype)
+        delta = received[0].view(anchor.shape).to(bucket.dtype)
         velocity.mul_(mu).add_(delta)
-        p.copy_(anchor).sub_(delta.add_(velocity, alpha=mu), alpha=self.config.outer_lr)
-        anchor.copy_(p)
-        slot.state.raw["last_outer_step"].fill_(ctx.step)
+        anchor.sub_(delta.add_(velocity, alpha=mu), alpha=self.config.outer_lr)
+        bucket.copy_to_params(anchor)
+        bucket.scalars("last_outer_step", torch.int64).fill_(ctx.step)
 
     @staticmethod
-    def anchor(slot: ParamSlot) -> torch.Tensor:
-        return slot.state.shared("anchor", lambda: slot.param.detach().clone())
+    def anchor(bucket: Bucket) -> torch.Tensor:
+        return bucket.shared("anchor", bucket.dtype, lambda slot: slot.param.detach().clone())
 
     @staticmethod
-    def inner_adamw(slot: ParamSlot, step: int) -> None:
+    def inner_adamw(bucket: Bucket, step: int) -> None:
         """One AdamW step without weight decay (the optimizer already applied the decoupled decay)."""
-        p, g, group = slot.param, slot.grad, slot.group
+        group = bucket.group
         beta1, beta2 = group["betas"]
-        exp_avg = slot.state.per_replica("exp_avg", lambda: torch.zeros_like(p, dtype=momentum_dtype(p)))
-        exp_avg_sq = slot.state.per_replica("exp_avg_sq", lambda: torch.zeros_like(p, dtype=momentum_dtype(p)))
-        g = g.to(exp_avg.dtype)
+        dtype = momentum_dtype(bucket.slots[0].param)
+        exp_avg = bucket.per_replica("exp_avg", dtype)
+        exp_avg_sq = bucket.per_replica("exp_avg_sq", dtype)
+        g = bucket.grad.to(exp_avg.dtype)
         exp_avg.lerp_(g, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         bias1, bias2 = 1 - beta1**step, 1 - beta2**step
         denom = (exp_avg_sq.sqrt() / bias2**0.5).add_(group["eps"])
-        p.addcdiv_(exp_avg.to(p.dtype), denom.to(p.dtype), value=-group["lr"] / bias1)
+        numerators, denominators = bucket.unstacked(exp_avg.to(bucket.dtype)), bucket.unstacked(denom.to(bucket.dtype))
+        torch._foreach_addcdiv_(bucket.params, numerators, denominators, -group["lr"] / bias1)

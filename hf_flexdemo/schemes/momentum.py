@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import ParamSlot, ReplicationScheme
+from ..buckets import Bucket
+from .base import ReplicationScheme
 
 
 def momentum_dtype(param: torch.Tensor) -> torch.dtype:
@@ -34,15 +35,15 @@ class MomentumScheme(ReplicationScheme):
     def local_keys(self) -> tuple[str, ...]:
         return (self.momentum_key,)
 
-    def init_state(self, slot: ParamSlot) -> None:
-        self.momentum(slot)
+    def init_state(self, bucket: Bucket) -> None:
+        self.momentum(bucket)
 
-    def momentum(self, slot: ParamSlot) -> torch.Tensor:
-        p = slot.param
-        return slot.state.per_replica(self.momentum_key, lambda: torch.zeros_like(p, dtype=momentum_dtype(p)))
+    def momentum(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's momentum, ``(count, *shape)``."""
+        return bucket.per_replica(self.momentum_key, momentum_dtype(bucket.slots[0].param))
 
-    def accumulate(self, slot: ParamSlot) -> torch.Tensor:
+    def accumulate(self, bucket: Bucket) -> torch.Tensor:
         """``m = decay * m + lr * grad``; returns the momentum (local, in place)."""
-        m = self.momentum(slot)
-        m.mul_(slot.group["decay"]).add_(slot.grad.to(m.dtype), alpha=slot.group["lr"])
+        m = self.momentum(bucket)
+        m.mul_(bucket.group["decay"]).add_(bucket.grad.to(m.dtype), alpha=bucket.group["lr"])
         return m

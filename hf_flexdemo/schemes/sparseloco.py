@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import torch
 
+from ..buckets import Bucket
 from ..compression import ChunkPlan, decode_replicas, flat_positions, select_topk
 from ..config import FlexDeMoConfig
-from .base import Collective, ParamSlot, StepContext
+from .base import Collective, StepContext
 from .demo import DeMoScheme
 from .diloco import DiLoCoScheme
 from .momentum import momentum_dtype
@@ -47,45 +48,41 @@ class SparseLoCoScheme(DiLoCoScheme):
         super().__init__(config)
         self.wire = TopKWire(config)
 
-    def init_state(self, slot: ParamSlot) -> None:
-        p = slot.param
-        self.anchor(slot)
+    def init_state(self, bucket: Bucket) -> None:
+        self.anchor(bucket)
         for key in ("exp_avg", "exp_avg_sq", ERROR_FEEDBACK):
-            slot.state.per_replica(key, lambda: torch.zeros_like(p, dtype=momentum_dtype(p)))
-        slot.state.raw.setdefault("last_outer_step", torch.zeros((), dtype=torch.int64))
+            bucket.per_replica(key, momentum_dtype(bucket.slots[0].param))
+        bucket.scalars("last_outer_step", torch.int64)
 
     @staticmethod
-    def plan(slot: ParamSlot) -> ChunkPlan:
-        return DeMoScheme.plan(slot)
+    def plan(bucket: Bucket) -> ChunkPlan:
+        return DeMoScheme.plan(bucket)
 
-    def local_step(self, slot: ParamSlot, ctx: StepContext) -> list[torch.Tensor]:
-        if slot.grad is not None:
-            self.inner_adamw(slot, ctx.step)
+    def local_step(self, bucket: Bucket, ctx: StepContext) -> list[torch.Tensor]:
+        if bucket.grad is not None:
+            self.inner_adamw(bucket, ctx.step)
         if not ctx.replicate:
             return []
-        p = slot.param
-        plan = self.plan(slot)
-        error = slot.state.per_replica(ERROR_FEEDBACK, lambda: torch.zeros_like(p, dtype=momentum_dtype(p)))
-        error.mul_(self.config.outer_momentum).add_((self.anchor(slot) - p).to(error.dtype))
-        slot.carried = plan
+        plan = self.plan(bucket)
+        error = bucket.per_replica(ERROR_FEEDBACK, momentum_dtype(bucket.slots[0].param))
+        error.mul_(self.config.outer_momentum).add_((self.anchor(bucket) - bucket.stacked_params()).to(error.dtype))
+        bucket.carried = plan
         if plan.n_tiles == 0:
             return []
         matrix = error.view(plan.rows, plan.cols)
         indices, values = select_topk(matrix, plan)
-        sent, decoded = self.wire.encode(indices, values, plan, self.wire_dtype(slot), ctx.noise)
+        sent, decoded = self.wire.encode(indices, values, plan, self.wire_dtype(bucket), ctx.noise)
         matrix.view(-1).index_add_(0, flat_positions(indices, plan), decoded.reshape(-1).to(error.dtype), alpha=-1.0)
         return sent
 
-    def apply(self, slot: ParamSlot, received: list[list[torch.Tensor]], ctx: StepContext) -> None:
-        plan = slot.carried
+    def apply(self, bucket: Bucket, received: list[list[torch.Tensor]], ctx: StepContext) -> None:
+        plan = bucket.carried
         if plan is None:
             return
-        p, anchor = slot.param, self.anchor(slot)
+        anchor = self.anchor(bucket)
         if plan.n_tiles:
             parts = [self.wire.read(part, plan) for part in received]
-            mean = decode_replicas(parts, plan, "mean", torch.float32).view(p.shape)
-            p.copy_(anchor).sub_(mean.to(p.dtype), alpha=self.config.outer_lr)
-        else:
-            p.copy_(anchor)
-        anchor.copy_(p)
-        slot.state.raw["last_outer_step"].fill_(ctx.step)
+            mean = decode_replicas(parts, plan, "mean", torch.float32).view(anchor.shape)
+            anchor.sub_(mean.to(bucket.dtype), alpha=self.config.outer_lr)
+        bucket.copy_to_params(anchor)
+        bucket.scalars("last_outer_step", torch.int64).fill_(ctx.step)

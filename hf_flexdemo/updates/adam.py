@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..schemes.base import ParamSlot, StepContext
+from ..buckets import Bucket
+from ..schemes.base import StepContext
 from ..schemes.momentum import momentum_dtype
 from .base import Decoded, UpdateRule
 
@@ -29,27 +30,27 @@ class AdamRule(UpdateRule):
     name = "adam"
     state_keys = (SECOND_MOMENT, UPDATES)
 
-    def init_state(self, slot: ParamSlot) -> None:
-        self.second_moment(slot)
-        if UPDATES not in slot.state.raw:
-            slot.state.raw[UPDATES] = torch.zeros((), dtype=torch.float64, device=slot.param.device)
+    def init_state(self, bucket: Bucket) -> None:
+        self.second_moment(bucket)
+        bucket.scalars(UPDATES, torch.float64)
 
     @staticmethod
-    def second_moment(slot: ParamSlot) -> torch.Tensor:
-        p = slot.param
-        return slot.state.shared(SECOND_MOMENT, lambda: torch.zeros_like(p, dtype=momentum_dtype(p)))
+    def second_moment(bucket: Bucket) -> torch.Tensor:
+        return bucket.shared(SECOND_MOMENT, momentum_dtype(bucket.slots[0].param))
 
     def apply(self, decoded: list[Decoded], ctx: StepContext) -> None:
         for item in decoded:
-            slot = item.slot
+            bucket = item.bucket
             assert item.where is None, "update='adam' takes whole updates (random/striding are refused)"
-            lr = slot.group["lr"]
+            lr = bucket.group["lr"]
             if lr == 0:  # nothing moves; g = u / lr is undefined
                 continue
-            beta2 = slot.group["betas"][1]
-            v = self.second_moment(slot)
-            t = slot.state.raw[UPDATES].add_(1)
+            beta2 = bucket.group["betas"][1]
+            v = self.second_moment(bucket)
+            t = bucket.scalars(UPDATES, torch.float64).add_(1)
             g = item.update.view(v.shape).to(v.dtype).div_(lr)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denominator = (v / (1 - torch.pow(beta2, t))).sqrt_().add_(slot.group["eps"])
+            # Each parameter's own count (equal within a bucket unless a checkpoint says otherwise).
+            correction = (1 - torch.pow(beta2, t)).to(v.dtype).view(-1, *([1] * (v.dim() - 1)))
+            denominator = (v / correction).sqrt_().add_(bucket.group["eps"])
             self.subtract(item, g.div_(denominator))

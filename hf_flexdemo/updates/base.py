@@ -6,12 +6,13 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..buckets import Bucket, ParamSlot
 from ..config import FlexDeMoConfig
-from ..schemes.base import Decoded, ParamSlot, StepContext
+from ..schemes.base import Decoded, StepContext
 
 
 class UpdateRule(ABC):
-    """Turns decoded updates into parameter steps; every parameter of one step at once."""
+    """Turns decoded updates into parameter steps: every bucket of one step at once, each as one stack."""
 
     name: str
     state_keys: tuple[str, ...] = ()
@@ -20,22 +21,18 @@ class UpdateRule(ABC):
     def __init__(self, config: FlexDeMoConfig):
         self.config = config
 
-    def init_state(self, slot: ParamSlot) -> None:
-        """Create the rule's state for ``slot`` (every step, before the exchange; no host syncs)."""
+    def init_state(self, bucket: Bucket) -> None:
+        """Create the rule's state for ``bucket`` (when the bucket is built, before the exchange)."""
 
     def check_state(self, slot: ParamSlot) -> None:
         """Check ``slot`` against what the rule needs: at the first step and after a load, before anything moves."""
 
     @abstractmethod
     def apply(self, decoded: list[Decoded], ctx: StepContext) -> None:
-        """Move each ``decoded[i].slot.param`` by its update (``ctx``: the step that exchanged it)."""
+        """Move each ``decoded[i].bucket``'s parameters by its update (``ctx``: the step that exchanged it)."""
 
     @staticmethod
     def subtract(decoded: Decoded, step: torch.Tensor) -> None:
-        """``p -= lr * step`` at ``decoded.where`` (every entry when None)."""
-        slot = decoded.slot
-        step = step.to(slot.param.dtype)
-        if decoded.where is None:
-            slot.param.sub_(step.view(slot.param.shape), alpha=slot.group["lr"])
-        else:
-            slot.param.view(-1).index_add_(0, decoded.where, step, alpha=-slot.group["lr"])
+        """``p -= lr * step`` for the bucket's parameters, at ``decoded.where`` (every entry when None)."""
+        bucket = decoded.bucket
+        bucket.add_to_params(step, -bucket.group["lr"], where=decoded.where)

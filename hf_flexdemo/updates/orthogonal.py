@@ -13,14 +13,18 @@ biases, convolution kernels) take the element-wise rule ``elementwise_update`` (
 Trainer integration puts them in groups of their own with that rule (a plain-PyTorch user
 passes ``elementwise=`` or such a group).
 
-Under FSDP2 each process holds a row shard of the matrix. Each matrix has one owner among the
-node's processes (the matrices are dealt out by size, so the owners share the work evenly):
+Newton-Schulz runs on a whole bucket at once (a batch of same-shape matrices: ``X @ X.mT`` on
+the last two dimensions) in ``ns_dtype``: bf16 by default, as Muon does, after normalising each
+matrix in float32 so that a tiny update keeps its direction.
+
+Under FSDP2 each process holds a row shard of each matrix. Each matrix has one owner among the
+node's processes (a bucket's matrices are dealt out in runs, so the owners share the work evenly):
 one all-to-all over the node's own processes (the fast link, never the inter-node one) brings
-every owner the row shards of its matrices, the owner orthogonalizes them whole in float32,
-and a second all-to-all sends each process its rows back. A node thus runs Newton-Schulz once
-per matrix, not once per process, and no process holds more whole matrices than it owns.
-Every replica deals the same matrices to the same local ranks and runs the same arithmetic on
-the same update, so replicas stay bitwise identical.
+every owner the row shards of its matrices, the owner orthogonalizes them whole, and a second
+all-to-all sends each process its rows back. A node thus runs Newton-Schulz once per matrix,
+not once per process, and no process holds more whole matrices than it owns. Every replica
+deals the same matrices to the same local ranks and runs the same arithmetic on the same
+update, so replicas stay bitwise identical.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from ..config import FlexDeMoConfig
+from ..buckets import Bucket, ParamSlot
+from ..config import NS_DTYPES, FlexDeMoConfig
 from ..schemes.base import StepContext
 from .adam import AdamRule
 from .base import Decoded, UpdateRule
@@ -44,20 +49,28 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 
 
-def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
-    """An approximately semi-orthogonal matrix with ``matrix``'s singular vectors (float32)."""
+def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Approximately semi-orthogonal matrices with the singular vectors of ``matrix`` (``(..., rows, cols)``).
+
+    Iterates in ``dtype`` on the last two dimensions, so a stack of matrices is one batched product.
+    """
     a, b, c = NS_COEFFICIENTS
     x = matrix.to(torch.float32)
-    # Singular values into [0, 1], where the iteration converges; the update's scale (lr * grad) can be
-    # tiny, so the guard against a zero matrix must not be a fixed epsilon.
-    x = x / (x.norm() + torch.finfo(torch.float32).tiny)
-    wide = x.shape[0] <= x.shape[1]
+    # Singular values into [0, 1], where the iteration converges. The update's scale (lr * grad) can be
+    # tiny: its squares would vanish in float32, so the norm sums them in float64, and the guard against a
+    # zero matrix is not a fixed epsilon.
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float64).to(torch.float32)
+    x = (x / (norm + torch.finfo(torch.float32).tiny)).to(dtype)
+    wide = x.shape[-2] <= x.shape[-1]
     if not wide:
-        x = x.T  # iterate on the smaller Gram matrix
+        x = x.mT  # iterate on the smaller Gram matrix
+    batched = x.unsqueeze(0) if x.dim() == 2 else x.reshape(-1, *x.shape[-2:])
     for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x if wide else x.T
+        gram = batched @ batched.mT
+        polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b * G + c * G @ G
+        batched = torch.baddbmm(batched, polynomial, batched, beta=a)  # a * X + (b * G + c * G @ G) @ X
+    x = batched.view(x.shape)
+    return x if wide else x.mT
 
 
 def _row_shards(param: torch.Tensor) -> tuple[dist.ProcessGroup, int, int] | None:
@@ -81,95 +94,110 @@ class OrthogonalRule(UpdateRule):
         super().__init__(config)
         self.elementwise = (AdamRule if config.elementwise_update == "adam" else SignRule)(config)
         self.state_keys = self.elementwise.state_keys
+        self.dtype = NS_DTYPES[config.ns_dtype]
 
-    def init_state(self, slot) -> None:
-        if slot.state.param.dim() != 2:
-            self.elementwise.init_state(slot)
+    def init_state(self, bucket: Bucket) -> None:
+        if len(bucket.full_shape) != 2:
+            self.elementwise.init_state(bucket)
 
-    def check_state(self, slot) -> None:
+    def check_state(self, slot: ParamSlot) -> None:
         if slot.state.param.dim() == 2:
             _row_shards(slot.state.param)  # refuse a layout it cannot deal out before anything moves
 
     @staticmethod
     def is_matrix(item: Decoded) -> bool:
-        return item.slot.state.param.dim() == 2 and item.where is None
+        return len(item.bucket.full_shape) == 2 and item.where is None
 
     def apply(self, decoded: list[Decoded], ctx: StepContext) -> None:
         matrices = [item for item in decoded if self.is_matrix(item)]
         self.elementwise.apply([item for item in decoded if not self.is_matrix(item)], ctx)
         by_group: dict[object, list[Decoded]] = defaultdict(list)
         for item in matrices:
-            shards = _row_shards(item.slot.state.param)
+            shards = _row_shards(item.bucket.slots[0].state.param)
             if shards is None:
-                self.subtract(item, scaled_newton_schulz(item.update.view(item.slot.param.shape)))
+                bucket = item.bucket
+                self.subtract(item, scaled_newton_schulz(item.update.view(bucket.count, *bucket.shape), self.dtype))
             else:
                 by_group[shards].append(item)
         for (group, size, rank), items in by_group.items():
-            for item, ortho in zip(items, _orthogonalize_by_owner(items, group, size, rank)):
+            for item, ortho in zip(items, _orthogonalize_by_owner(items, group, size, rank, self.dtype)):
                 self.subtract(item, ortho)
 
 
-def scaled_newton_schulz(whole: torch.Tensor) -> torch.Tensor:
-    """``sqrt(max(rows, cols)) * NS(whole)`` in float32: a step of about one per entry, as a sign step."""
-    rows, cols = whole.shape
-    return newton_schulz(whole).mul_(math.sqrt(max(rows, cols)))
+def scaled_newton_schulz(whole: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``sqrt(max(rows, cols)) * NS(whole)`` for each ``rows x cols`` matrix: a step of about one per entry."""
+    rows, cols = whole.shape[-2:]
+    return newton_schulz(whole, dtype=dtype).mul_(math.sqrt(max(rows, cols)))
 
 
-@functools.lru_cache(maxsize=16)  # the same shapes every step: dealt once per group
-def deal_owners(numels: tuple[int, ...], size: int) -> tuple[int, ...]:
-    """Each matrix's owner among ``size`` processes: largest first, to the least loaded (ties: lowest rank).
+@functools.lru_cache(maxsize=16)  # the same buckets every step: dealt once per set of shapes
+def deal_owners(buckets: tuple[tuple[int, int], ...], size: int) -> tuple[tuple[int, ...], ...]:
+    """How many matrices of each bucket (``(count, entries per matrix)``) each of ``size`` processes owns.
 
-    Depends on the shapes alone, so every process and every replica deals alike.
+    Largest matrices first, each to the least loaded process (ties: lowest rank). A bucket's matrices
+    are owned in runs: process 0's first, then process 1's. Depends on the shapes alone, so every
+    process and every replica deals alike.
     """
-    load, owners = [0] * size, [0] * len(numels)
-    for index in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        owner = min(range(size), key=lambda rank: (load[rank], rank))
-        owners[index] = owner
-        load[owner] += numels[index]
-    return tuple(owners)
+    load = [0] * size
+    owned = [[0] * size for _ in buckets]
+    for index in sorted(range(len(buckets)), key=lambda i: (-buckets[i][1], i)):
+        count, numel = buckets[index]
+        for _ in range(count):
+            owner = min(range(size), key=lambda rank: (load[rank], rank))
+            owned[index][owner] += 1
+            load[owner] += numel
+    return tuple(tuple(row) for row in owned)
 
 
-def _orthogonalize_by_owner(items: list[Decoded], group: dist.ProcessGroup, size: int, rank: int) -> list[torch.Tensor]:
-    """This process's rows of each matrix's scaled orthogonalization, each matrix computed by its owner.
+def _orthogonalize_by_owner(
+    items: list[Decoded], group: dist.ProcessGroup, size: int, rank: int, dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """This process's rows of each bucket's scaled orthogonalizations, each matrix computed by its owner.
 
     FSDP2 splits rows as ``torch.chunk`` does: ``ceil(rows / size)`` per process, the last ones shorter or
     empty. Each shard travels padded to that size, so a process sends every owner the same amount.
+    Returns one ``(count, local rows, cols)`` tensor per item.
     """
-    shapes = [tuple(item.slot.state.param.shape) for item in items]
+    shapes = [tuple(item.bucket.full_shape) for item in items]
+    counts = [item.bucket.count for item in items]
     per_rank = [math.ceil(rows / size) for rows, _ in shapes]
     block = [per * cols for per, (_, cols) in zip(per_rank, shapes)]  # one padded shard, in entries
-    owners = deal_owners(tuple(rows * cols for rows, cols in shapes), size)
-    owned_by = [[i for i, owner in enumerate(owners) if owner == q] for q in range(size)]
+    owned = deal_owners(tuple((count, rows * cols) for count, (rows, cols) in zip(counts, shapes)), size)
+    first = [[sum(row[:q]) for q in range(size)] for row in owned]  # a bucket's first matrix owned by q
     shards = []
-    for item, per, (_, cols) in zip(items, per_rank, shapes):
-        local = item.update.view(item.slot.param.shape).to(torch.float32)
-        padded = local.new_zeros(per, cols)
-        padded[: local.shape[0]] = local
-        shards.append(padded)
-    # Out: to each owner q, this process's shard of each matrix q owns (in matrix order).
-    sent = torch.cat([shards[i].reshape(-1) for q in range(size) for i in owned_by[q]])
-    mine = owned_by[rank]
-    sizes_to_owners = [sum(block[i] for i in owned_by[q]) for q in range(size)]
-    sizes_of_mine = [sum(block[i] for i in mine)] * size
-    received = _all_to_all(sent, send=sizes_to_owners, receive=sizes_of_mine, group=group)
+    for item, count, per, (_, cols) in zip(items, counts, per_rank, shapes):
+        local = item.update.view(count, item.bucket.shape[0], cols).to(torch.float32)
+        shards.append(torch.nn.functional.pad(local, (0, 0, 0, per - local.shape[1])))
+    buckets = range(len(items))
+    # Out: to each owner q, this process's shards of the matrices q owns, bucket by bucket.
+    sent = torch.cat(
+        [shards[j][first[j][q] : first[j][q] + owned[j][q]].reshape(-1) for q in range(size) for j in buckets]
+    )
+    sizes_to_owners = [sum(owned[j][q] * block[j] for j in buckets) for q in range(size)]
+    sizes_of_mine = [sum(owned[j][rank] * block[j] for j in buckets)] * size
+    received = _all_to_all(sent, send=sizes_to_owners, receive=sizes_of_mine, group=group).view(size, -1)
     # Every source sent its shards of my matrices in the same order, source q's rows q-th.
     results, start = [], 0
-    for i in mine:
-        (rows, cols), per = shapes[i], per_rank[i]
-        whole = received.view(size, -1)[:, start : start + block[i]].reshape(size * per, cols)[:rows]
-        ortho = whole.new_zeros(size * per, cols)
-        ortho[:rows] = scaled_newton_schulz(whole)
-        results.append(ortho.view(size, block[i]))
-        start += block[i]
+    for j in buckets:
+        mine, (rows, cols), per = owned[j][rank], shapes[j], per_rank[j]
+        if mine == 0:
+            continue
+        stacked = received[:, start : start + mine * block[j]].reshape(size, mine, per, cols)
+        whole = stacked.transpose(0, 1).reshape(mine, size * per, cols)[:, :rows]
+        ortho = torch.nn.functional.pad(scaled_newton_schulz(whole, dtype), (0, 0, 0, size * per - rows))
+        results.append(ortho.view(mine, size, per, cols).transpose(0, 1).reshape(size, mine * block[j]))
+        start += mine * block[j]
     # Back: to each process q, its rows of every matrix this process owns, in the same order.
-    back = torch.cat(results, dim=1).reshape(-1) if results else sent.new_empty(0)
+    back = torch.cat(results, dim=1).reshape(-1) if results else sent.new_empty(0).to(dtype)
     returned = _all_to_all(back, send=sizes_of_mine, receive=sizes_to_owners, group=group)
-    rows_of, offset = {}, 0
-    for q in range(size):
-        for i in owned_by[q]:
-            rows_of[i] = returned[offset : offset + block[i]].view(per_rank[i], shapes[i][1])
-            offset += block[i]
-    return [rows_of[i][: item.slot.param.shape[0]] for i, item in enumerate(items)]
+    pieces = returned.split([owned[j][q] * block[j] for q in range(size) for j in buckets])
+    rows_back = []
+    for j, item in enumerate(items):
+        (_, cols), per = shapes[j], per_rank[j]
+        owners = [pieces[q * len(items) + j].view(owned[j][q], per, cols) for q in range(size)]
+        local_rows = item.bucket.shape[0]
+        rows_back.append(torch.cat(owners)[:, :local_rows])
+    return rows_back
 
 
 def _all_to_all(tensor: torch.Tensor, *, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:

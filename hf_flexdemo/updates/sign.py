@@ -13,4 +13,4 @@ class SignRule(UpdateRule):
     def apply(self, decoded: list[Decoded], ctx: StepContext) -> None:
         for item in decoded:
             update = item.update
-            self.subtract(item, update.sign_() if item.slot.group["sign"] else update)
+            self.subtract(item, update.sign_() if item.bucket.group["sign"] else update)

@@ -1,0 +1,170 @@
+"""Buckets: the parameters that one step phase handles together, with their state in one buffer each.
+
+A bucket holds the parameters of one group that share a local shape, a dtype and an update
+rule. Every step phase (momentum, DCT, top-k, error feedback, decode, rule) runs once per
+bucket on ``(count, *shape)`` tensors, so a step launches work per bucket, not per tensor:
+OLMo2's 179 tensors fall into 5 to 10 buckets, whatever the number of layers.
+
+The optimizer state stays per parameter (checkpoints keep their keys and layout): each
+parameter's entry is a view into the bucket's contiguous buffer for that key. A bucket is
+built at the first step and again after the state was replaced (a load, a heal); building
+copies whatever state the parameters already hold into the new buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .state_store import StateView
+
+
+@dataclass
+class ParamSlot:
+    """One parameter of a bucket: its local shard, its state, and where it sits in the optimizer."""
+
+    param: torch.Tensor
+    state: StateView
+    group: dict[str, Any]
+    """The live parameter group (read for settings that a scheduler does not change: chunk, topk)."""
+    index: int
+    """Position of the parameter in the optimizer (the same on every replica)."""
+
+
+@dataclass
+class Bucket:
+    """Parameters of one group with the same local shape and dtype: one step phase acts on all at once.
+
+    ``group``, ``grad`` and ``carried`` belong to one step (see :meth:`for_step`); the buffers
+    belong to the bucket and persist across steps.
+    """
+
+    slots: list[ParamSlot]
+    shape: torch.Size
+    """Every parameter's local shape."""
+    group: dict[str, Any]
+    """The live parameter group; in one step (:meth:`for_step`), a snapshot of it (with overlap, the
+    hyperparameters of the step that computed the update)."""
+    grad: torch.Tensor | None = None
+    """This step's gradients, ``(count, *shape)`` (zeros where a parameter had none)."""
+    carried: Any = None
+    """What the scheme's ``local_step`` hands to its ``apply`` (None: nothing was sent)."""
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """State key -> ``(count, *shape)`` (or ``(count,)`` for scalars); each parameter's entry is a view."""
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [slot.param for slot in self.slots]
+
+    @property
+    def count(self) -> int:
+        return len(self.slots)
+
+    @property
+    def numel(self) -> int:
+        """Entries of one parameter."""
+        return math.prod(self.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.slots[0].param.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots[0].param.device
+
+    @property
+    def full_shape(self) -> torch.Size:
+        """The shape of the whole parameter (a DTensor's global shape; the local one otherwise)."""
+        return self.slots[0].state.param.shape
+
+    def for_step(self, grad: torch.Tensor | None) -> Bucket:
+        """This bucket in one step: the step's hyperparameters and gradients, the bucket's buffers."""
+        return dataclasses.replace(self, group=dict(self.group), grad=grad, carried=None)
+
+    # -- state -------------------------------------------------------------------------
+
+    def _buffer(
+        self,
+        key: str,
+        dtype: torch.dtype,
+        init: Callable[[ParamSlot], torch.Tensor],
+        bind: Callable[[StateView, str, torch.Tensor], None],
+        shape: tuple[int, ...],
+    ) -> torch.Tensor:
+        buffer = self.buffers.get(key)
+        if buffer is not None:
+            return buffer
+        buffer = torch.empty((self.count, *shape), dtype=dtype, device=self.device)
+        for i, slot in enumerate(self.slots):
+            # State the parameter already holds (loaded, or from before the bucket) moves into the buffer.
+            saved = slot.state.read(key) if key in slot.state else init(slot)
+            buffer[i].copy_(saved.reshape(shape))
+            bind(slot.state, key, buffer[i])
+        self.buffers[key] = buffer
+        return buffer
+
+    def per_replica(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """State that differs between replicas (momentum), zeros to begin with: ``(count, *shape)``."""
+
+        def zeros(slot: ParamSlot) -> torch.Tensor:
+            return torch.zeros(self.shape, dtype=dtype, device=self.device)
+
+        return self._buffer(key, dtype, zeros, StateView.bind_per_replica, tuple(self.shape))
+
+    def shared(
+        self, key: str, dtype: torch.dtype, init: Callable[[ParamSlot], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """State equal on every replica, laid out like the parameter: ``(count, *shape)``; zeros by default."""
+
+        def zeros(slot: ParamSlot) -> torch.Tensor:
+            return torch.zeros(self.shape, dtype=dtype, device=self.device)
+
+        return self._buffer(key, dtype, init or zeros, StateView.bind_shared, tuple(self.shape))
+
+    def scalars(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """One number per parameter (a step count), zero to begin with: ``(count,)``; each entry a 0-d view."""
+
+        def zero(slot: ParamSlot) -> torch.Tensor:
+            return torch.zeros((), dtype=dtype, device=self.device)
+
+        return self._buffer(key, dtype, zero, StateView.bind_plain, ())
+
+    def stacked_params(self) -> torch.Tensor:
+        """A copy of the parameters as one ``(count, *shape)`` tensor."""
+        return torch.stack(self.params)
+
+    # -- moving the parameters ---------------------------------------------------------
+
+    def unstacked(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """``values`` (``count * numel`` entries) as one view per parameter."""
+        return list(values.reshape(self.count, *self.shape).unbind(0))
+
+    def add_to_params(self, step: torch.Tensor, alpha: float, where: torch.Tensor | None = None) -> None:
+        """``p += alpha * step`` for every parameter at once; ``where``: flat positions in the bucket that
+        ``step`` holds (every entry when None)."""
+        step = step.to(self.dtype)
+        if where is not None:
+            step = torch.zeros(self.count * self.numel, dtype=self.dtype, device=self.device).index_add_(0, where, step)
+        torch._foreach_add_(self.params, self.unstacked(step), alpha=alpha)
+
+    def copy_to_params(self, values: torch.Tensor) -> None:
+        torch._foreach_copy_(self.params, self.unstacked(values.to(self.dtype)))
+
+
+def build_buckets(slots_by_group: list[list[ParamSlot]]) -> list[Bucket]:
+    """One bucket per group, local shape, dtype and device, in the order of their first parameter:
+    every replica builds the same ones."""
+    buckets: dict[tuple, Bucket] = {}
+    for group_index, slots in enumerate(slots_by_group):
+        for slot in slots:
+            key = (group_index, tuple(slot.param.shape), slot.param.dtype, slot.param.device)
+            if key not in buckets:
+                buckets[key] = Bucket(slots=[], shape=slot.param.shape, group=slot.group)
+            buckets[key].slots.append(slot)
+    return list(buckets.values())
