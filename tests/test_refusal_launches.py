@@ -100,3 +100,14 @@ def test_a_launch_naming_a_machine_that_never_comes_ends_with_the_readmes_timeou
     returncode, output = launch(tmp_path, launcher_args=flags)
     assert returncode != 0 and "1/2 clients joined" in output, output[-3000:]
     assert "--rdzv_conf timeout=60" in (REPO_ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("use_cpu", ["use_cpu: true\n", ""])
+def test_multi_cpu_with_two_processes_is_refused_instead_of_training_alone(tmp_path, use_cpu):
+    # Accelerate 1.15 starts MULTI_CPU's processes only through mpirun; without it, one plain process.
+    config = f"compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\n{use_cpu}num_machines: 1\n"
+    config += "num_processes: 2\nmixed_precision: 'no'\n"
+    returncode, output = launch(tmp_path, config)
+    message = "distributed_type: MULTI_CPU with num_processes above 1 started 1 process"
+    assert returncode != 0 and output.count(message) == 1, output[-3000:]
+    assert "accelerate_configs/cpu_2x2.yaml" in output and "Traceback" not in output.partition(message)[0]

@@ -10,7 +10,9 @@ its methods (idempotently, once per process; ``import hf_flexdemo`` calls it):
 - ``PartialState.__init__``: ``accelerate launch`` does not pass a config's ``use_cpu`` to
   multi-process jobs, so on a machine without a GPU each process of a distributed launch
   would believe it trains alone (N silent unsynchronized copies). A distributed launch
-  with no accelerator device runs on CPU with gloo instead.
+  with no accelerator device runs on CPU with gloo instead. ``distributed_type: MULTI_CPU``
+  with ``num_processes`` above 1 and no mpirun, which Accelerate starts as one process, is
+  refused (:func:`refuse_multi_cpu_started_alone`).
 - ``AcceleratorState.__init__``: on a machine without a GPU, Accelerate turns
   ``distributed_type: FSDP`` into plain multi-CPU DDP without a word. The plugin keeps
   FSDP2 on (gloo), and refuses FSDP1 there, whose ``HYBRID_SHARD`` would silently train
@@ -347,9 +349,35 @@ def launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 or int(os.environ.get("LOCAL_RANK", "-1")) != -1
 
 
+MPI_WORLD_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "WORLD_SIZE")
+"""Where a process started by mpirun (or torchelastic) finds how many processes the job has."""
+
+
+def refuse_multi_cpu_started_alone() -> None:
+    """``distributed_type: MULTI_CPU`` with ``num_processes`` above 1 and no ``--mpirun_hostfile``.
+
+    Accelerate (1.15) then starts one plain process: its MULTI_CPU launches several only through
+    mpirun. The process gets ``MASTER_ADDR``/``MASTER_PORT`` (set for ``num_processes`` > 1) but no
+    world size, and would train alone, silently.
+    """
+    launched_by_accelerate = "ACCELERATE_USE_CPU" in os.environ  # its plain launcher sets it, true or false
+    if not launched_by_accelerate or "MASTER_PORT" not in os.environ:
+        return
+    if any(name in os.environ for name in MPI_WORLD_SIZES):
+        return
+    raise ValueError(
+        "distributed_type: MULTI_CPU with num_processes above 1 started 1 process: Accelerate launches several CPU "
+        "processes for MULTI_CPU only through mpirun (--mpirun_hostfile), so this run would train alone. On one "
+        "machine, use `distributed_type: FSDP` with `use_cpu: true` and `fsdp_config: {fsdp_version: 2}` "
+        "(accelerate_configs/cpu_2x2.yaml; hf_flexdemo keeps FSDP2 on CPU), which starts num_processes processes; "
+        "or set num_processes: 1 to train in one process."
+    )
+
+
 def _cpu_without_accelerator(original, self: PartialState, cpu: bool = False, **kwargs):
     # Before the process group exists: a restarted round must not touch the stale rendezvous store.
     elastic.check_restart_setup()
+    refuse_multi_cpu_started_alone()
     if not cpu and launched_distributed() and not torch.accelerator.is_available():
         cpu = True  # otherwise every process would think it trains alone
     original(self, cpu, **kwargs)
