@@ -1,0 +1,59 @@
+"""Buckets: one buffer per state entry and bucket, built once, and checkpoints of the per-tensor step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_flexdemo import FlexDeMo
+
+pytestmark = pytest.mark.unit
+
+FIXTURE = Path(__file__).parent / "fixtures" / "state_e3bbd13.pt"
+"""Written by e3bbd13's optimizer (a loop over tensors): its state after 3 steps and its parameters after 5,
+for update=sign and the default rule, on 5 tensors in 4 shapes (two of one shape share a bucket now)."""
+
+
+def steps(opt, params, grads):
+    for step_grads in grads:
+        for p, grad in zip(params, step_grads):
+            p.grad = grad.clone()
+        opt.step()
+
+
+@pytest.mark.parametrize("config", ["sign", "orthogonal_adam"])
+def test_a_checkpoint_of_the_per_tensor_step_resumes_and_continues_its_run(config):
+    saved = torch.load(FIXTURE, weights_only=False)
+    params = [torch.nn.Parameter(t.clone()) for t in saved[config]["params_at_3"]]
+    # The checkpoint's Newton-Schulz was float32 (today's default is bf16, a setting of the run).
+    opt = FlexDeMo(params, **saved["hp"], **saved["configs"][config], ns_dtype="float32", elementwise=params[:1])
+    opt.load_state_dict(saved[config]["state"])
+    steps(opt, params, saved["grads"][3:])
+    # sign: the same arithmetic per tile, batched; orthogonal: float32 Newton-Schulz fused differently (baddbmm).
+    atol = 0 if config == "sign" else 1e-6
+    for mine, theirs in zip(params, saved[config]["params_at_5"]):
+        torch.testing.assert_close(mine.detach(), theirs, atol=atol, rtol=0)
+
+
+def test_state_entries_are_views_of_one_buffer_per_bucket_built_once():
+    shapes = [(8, 4), (8, 4), (6,), (8, 4)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = FlexDeMo(params, update="sign", topk=3, chunk=4)
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    steps(opt, params, grads[:1])
+    buckets = opt._buckets
+    assert [bucket.count for bucket in buckets] == [3, 1]  # the (8, 4) matrices, the vector
+    momentum = buckets[0].buffers["momentum_dct"]
+    for p in (params[0], params[1], params[3]):
+        entry = opt.state[p]["momentum_dct"]
+        assert entry.untyped_storage().data_ptr() == momentum.untyped_storage().data_ptr()
+    steps(opt, params, grads[1:])
+    assert opt._buckets is buckets  # not rebuilt per step
+    opt.load_state_dict(opt.state_dict())
+    steps(opt, params, grads[:1])
+    assert opt._buckets is not buckets  # rebuilt on the loaded state
+    assert opt.state[params[1]]["momentum_dct"].untyped_storage().data_ptr() == (
+        opt._buckets[0].buffers["momentum_dct"].untyped_storage().data_ptr()
+    )
