@@ -21,6 +21,11 @@ no exit status or error-file field stops it), so a refusal comes back in every r
 machine prints a given refusal once per job (a file in the temporary directory, named by
 the launcher's run id and process, remembers what the rounds before said).
 
+A hook installed after ours that prints a traceback before handing on (wandb's, at
+``wandb.init``) gets ours on top again (:func:`install`, called again when the Trainer is
+built and at each step); a refusal still reaches it, with its output dropped, so that wandb
+marks the run failed.
+
 Every other uncaught error keeps its traceback, and ``HF_FLEXDEMO_TRACEBACK=1`` gives the
 refusals theirs back (on every process). ``torch.distributed`` wraps the hook it finds at
 ``init_process_group`` to prefix each line with ``[rankN]:``, which reaches ours too.
@@ -28,7 +33,9 @@ refusals theirs back (on every process). ``torch.distributed`` wraps the hook it
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import sys
@@ -72,9 +79,10 @@ class RefusalHook:
         self.previous = previous
 
     def __call__(self, kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
-        if _wants_traceback() or not is_refusal(error):
+        if _HANDING_ON or _wants_traceback() or not is_refusal(error):
             self.previous(kind, error, tb)
             return
+        _hand_on_quietly(self.previous, kind, error, tb)
         if _first_process_of_launch():
             _say(error, "")
         elif "TORCHELASTIC_RUN_ID" in os.environ:
@@ -82,6 +90,22 @@ class RefusalHook:
             time.sleep(_QUIET_EXIT_DELAY_S)
             # Still running: the first process did not stop (it was not refused), so this one speaks.
             _say(error, f" on rank {os.environ.get('RANK', '?')}")
+
+
+_HANDING_ON = False
+
+
+def _hand_on_quietly(previous, kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+    """Let the hooks below record the failure (wandb marks its run failed) without printing anything."""
+    global _HANDING_ON
+    _HANDING_ON = True
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            previous(kind, error, tb)
+    except Exception:  # a hook below failed: the refusal is still said
+        pass
+    finally:
+        _HANDING_ON = False
 
 
 def _line(error: BaseException, where: str) -> str:
@@ -136,8 +160,19 @@ _INSTALLED = False
 
 
 def install() -> None:
-    """Wrap ``sys.excepthook`` (once per process; keeps the hook installed before)."""
+    """Wrap ``sys.excepthook`` (keeps the hook installed before): once per process, and again when a
+    hook of another library has been put above ours since (wandb's prints a traceback first).
+
+    torch.distributed's wrapper (``[rankN]:`` prefixes) hands every error on as it is: it stays on top.
+    """
     global _INSTALLED
-    if not _INSTALLED:  # not an isinstance test: torch may have wrapped ours since
+    if not _INSTALLED or _foreign_hook_on_top():  # not an isinstance test alone: torch may have wrapped ours
         sys.excepthook = RefusalHook(sys.excepthook)
         _INSTALLED = True
+
+
+def _foreign_hook_on_top() -> bool:
+    hook = sys.excepthook
+    if isinstance(hook, RefusalHook):
+        return False
+    return str(getattr(hook, "__module__", "") or "").partition(".")[0] not in (_PACKAGE, "torch")

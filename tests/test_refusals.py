@@ -51,7 +51,8 @@ def test_the_variable_brings_the_traceback_back(monkeypatch, capsys):
 def test_other_processes_of_a_launch_exit_quietly(monkeypatch, capsys):
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    assert hook_output(raised(parse_optim_args, "topk=0x"), capsys) == ("", [])
+    printed, handed_on = hook_output(raised(parse_optim_args, "topk=0x"), capsys)
+    assert printed == "" and len(handed_on) == 1  # handed on with its output dropped (wandb marks its run failed)
 
 
 def test_a_value_error_raised_outside_hf_flexdemo_keeps_its_traceback(capsys):
@@ -65,7 +66,8 @@ def test_hf_flexdemos_own_errors_are_said_with_their_class_name(tmp_path, capsys
 
     (tmp_path / "file").touch()
     printed, handed_on = hook_output(raised(check_writable, tmp_path / "file" / "out"), capsys)
-    assert printed.startswith("hf_flexdemo stopped this run: CheckpointStorageError: output_dir=") and not handed_on
+    assert printed.startswith("hf_flexdemo stopped this run: CheckpointStorageError: output_dir=")
+    assert "Traceback" not in printed and len(handed_on) == 1
 
 
 def test_nodes_launched_with_different_numbers_of_processes_are_refused_on_every_node(monkeypatch):
@@ -118,3 +120,41 @@ def test_a_refusal_is_printed_once_across_the_launchers_restart_rounds(monkeypat
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
         printed.append(hook_output(raised(parse_optim_args, optim_args), capsys)[0])
     assert "topk='0x'" in printed[0] and printed[1] == "" and "chunk='0x'" in printed[2]  # a new refusal is said
+
+
+WANDB_THEN_REFUSED = """
+import sys, torch, wandb, hf_flexdemo
+from hf_flexdemo import refusals
+wandb.init(mode="offline", dir=sys.argv[1], project="refusals")  # puts its excepthook above ours
+refusals.install()  # what the Trainer glue does at each step
+hf_flexdemo.FlexDeMo([torch.nn.Parameter(torch.zeros(4))], topk=0)
+"""
+
+
+def test_a_refusal_after_wandb_init_is_said_once_without_wandbs_traceback(tmp_path):
+    # wandb's hook prints the traceback, then hands on to the hook it found (ours, installed at import).
+    command = [sys.executable, "-c", WANDB_THEN_REFUSED, str(tmp_path)]
+    proc = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("hf_flexdemo refused this run: FlexDeMo: topk=0 is invalid") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_hook_put_above_ours_still_hears_a_refusal_but_prints_nothing(monkeypatch, capsys):
+    from hf_flexdemo import refusals
+
+    heard = []
+
+    def later_hook(kind, error, tb):  # as wandb's: record, print a traceback, hand on
+        heard.append(error)
+        print("Traceback (most recent call last): ...", file=sys.stderr)
+        below(kind, error, tb)
+
+    below = RefusalHook(lambda *info: None)
+    monkeypatch.setattr(sys, "excepthook", later_hook)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    refusals.install()
+    error = raised(parse_optim_args, "topk=0x")
+    sys.excepthook(type(error), error, error.__traceback__)
+    printed = capsys.readouterr().err
+    assert heard == [error] and "Traceback" not in printed and printed.count("hf_flexdemo refused this run") == 1

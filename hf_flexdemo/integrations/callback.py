@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from .. import refusals
 from ..optim import FlexDeMo, unwrap_flexdemo
 from ..topology import collective_device
 from .accelerate_plugin import check_flexdemo_layout, fp16_refusal
@@ -110,6 +111,7 @@ class FlexDeMoCallback(TrainerCallback):
     # -- every step ----------------------------------------------------------------------
 
     def on_step_begin(self, args, state, control, **kw):
+        refusals.install()  # back above a hook installed at train start (wandb.init), for any optimizer
         if self._optimizer is not None:
             self._optimizer.begin_step()  # fault tolerance: join the quorum (and heal) before the forward pass
 

@@ -32,7 +32,7 @@ import torch
 import transformers.trainer
 from transformers.training_args import OptimizerNames
 
-from .. import elastic
+from .. import elastic, refusals
 from ..config import FlexDeMoConfig
 from ..optim import FlexDeMo, unwrap_flexdemo
 from ..updates import check_saved_state_keys, elementwise_parameters
@@ -159,6 +159,7 @@ def _bf16_on_cpu(original, self, *args, **kwargs):
 
 
 def _trainer_init(original, self, *args, **kwargs):
+    refusals.install()  # above a hook installed since import (a script's own wandb.init)
     mark_mean_loss_model(kwargs["model"] if "model" in kwargs else (args[0] if args else None))
     elastic.check_restart_setup()  # before any data is loaded
     training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
