@@ -3,10 +3,11 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/demo_phases.py --shards 2
 
 Each parameter's first dimension is cut by ``--shards`` (what one process of a node holds
-under FSDP2), and each phase of the DeMo update runs over all of them: the DCT of the
-gradient, the per-tile top-k, error feedback, decoding two replicas' parts, the inverse
-DCT, and the signed update. Medians over ``--repeats`` runs, in ms. Single-threaded by
-default, as in the link benchmark (4 processes on 2 cores).
+under FSDP2); tensors of one shape are stacked into a bucket, as the optimizer does, and each
+phase of the DeMo update runs once per bucket: the DCT of the gradient, the per-tile top-k,
+error feedback, decoding two replicas' parts, the inverse DCT, the signed update, and the
+default rule's Newton-Schulz on the 2-D buckets (bf16 and float32). Medians over ``--repeats``
+runs, in ms. Single-threaded by default, as in the link benchmark (4 processes on 2 cores).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hf_flexdemo.compression import (
     select_topk,
     to_coefficients,
 )
+from hf_flexdemo.updates.orthogonal import scaled_newton_schulz
 
 
 def median_ms(fn, repeats: int, sync=lambda: None) -> float:
@@ -42,19 +44,26 @@ def median_ms(fn, repeats: int, sync=lambda: None) -> float:
 
 
 def phase_functions(grads: list[torch.Tensor], chunk: int, topk: int) -> dict:
-    """DeMo's update, phase by phase, over ``grads`` (one process's shards), two replicas decoded."""
-    shapes = [g.shape for g in grads]
-    plans = [ChunkPlan.for_shape(s, chunk, topk) for s in shapes]
-    coefficients = [to_coefficients(g, p) for g, p in zip(grads, plans)]
+    """DeMo's update, phase by phase, over ``grads`` (one process's shards), two replicas decoded.
+
+    As the optimizer runs it: tensors of one shape stacked into a bucket, each phase once per bucket.
+    """
+    by_shape: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        by_shape.setdefault(tuple(g.shape), []).append(g)
+    stacks = [torch.stack(same) for same in by_shape.values()]
+    plans = [ChunkPlan.for_shape(s.shape[1:], chunk, topk).stacked(s.shape[0]) for s in stacks]
+    coefficients = [to_coefficients(g, p) for g, p in zip(stacks, plans)]
     parts = [select_topk(q, p) for q, p in zip(coefficients, plans)]
     decoded = [decode_replicas([part, part], p, "selected", torch.float32) for part, p in zip(parts, plans)]
+    matrices = [d.view(s.shape) for d, s in zip(decoded, stacks) if s.dim() == 3]
 
     def signed_update():
-        for g, d in zip(grads, decoded):
+        for g, d in zip(stacks, decoded):
             g.view(d.shape).sub_(torch.sign(d).to(g.dtype), alpha=1e-9)
 
     return {
-        "DCT of the gradient": lambda: [to_coefficients(g, p) for g, p in zip(grads, plans)],
+        "DCT of the gradient": lambda: [to_coefficients(g, p) for g, p in zip(stacks, plans)],
         "top-k per tile": lambda: [select_topk(q, p) for q, p in zip(coefficients, plans)],
         "error feedback": lambda: [
             q.view(-1).index_add_(0, flat_positions(i, p), v.reshape(-1), alpha=-1.0)
@@ -65,6 +74,8 @@ def phase_functions(grads: list[torch.Tensor], chunk: int, topk: int) -> dict:
         ],
         "inverse DCT": lambda: [from_coefficients(d, p) for d, p in zip(decoded, plans)],
         "sign and update": signed_update,
+        "Newton-Schulz bf16": lambda: [scaled_newton_schulz(m, torch.bfloat16) for m in matrices],
+        "Newton-Schulz float32": lambda: [scaled_newton_schulz(m, torch.float32) for m in matrices],
     }
 
 

@@ -98,6 +98,8 @@ def main() -> None:
         "flexdemo demo": {"update": "sign"},
         "flexdemo demo bf16 values": {"value_dtype": "bf16", "update": "sign"},
         "flexdemo demo (default rule)": {},  # orthogonal; embeddings and head take adam, as the Trainer does
+        "flexdemo default rule, float32 NS": {"ns_dtype": "float32"},
+        "flexdemo default rule, top 24 at 2 bits": {"topk": 24, "value_bits": 2, "pack_indices": True},
     }
     for name, kwargs in configs.items():
         if kwargs is None:
@@ -114,12 +116,21 @@ def main() -> None:
                     dist.all_reduce(p.grad, group=mesh.get_group())
             opt.step()
 
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        step()  # creates the state
+        torch.cuda.synchronize()
+        state = torch.cuda.memory_allocated() - before
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before - state  # above the model, gradients and state
         seconds = time_steps(step, args.steps, args.repeats)
         if kwargs is None:
             sent = ring_all_reduce_bytes(grad_bytes, replicas) if replicas > 1 else 0
         else:
-            sent = opt.total_stats.bytes_sent / (args.steps * (args.repeats + 1))
-        rows.append((name, seconds, sent))
+            sent = opt.total_stats.bytes_sent / (args.steps * (args.repeats + 1) + 2)
+        rows.append((name, seconds, sent, state, peak))
         del opt
         torch.cuda.empty_cache()
 
@@ -130,9 +141,12 @@ def main() -> None:
         size = sum(s.numel() for s in shapes) / 1e6
         print(f"{args.model}: {size:.0f}M parameters, bf16, {replicas} replica(s), {device}")
         adamw = rows[0][1]
-        for name, seconds, sent in rows:
+        for name, seconds, sent, state, peak in rows:
             ratio = seconds / adamw
-            print(f"  {name:28s} step {seconds * 1e3:8.2f} ms ({ratio:5.2f}x AdamW)   sent/step {sent / 1e6:9.2f} MB")
+            print(
+                f"  {name:40s} step {seconds * 1e3:8.2f} ms ({ratio:5.2f}x AdamW)   sent/step {sent / 1e6:9.2f} MB"
+                f"   state {state / 2**30:5.2f} GiB, step peak +{peak / 2**30:5.2f} GiB ({peak / max(state, 1):4.0%})"
+            )
         print("  DeMo phases (ms):", ", ".join(f"{k} {v:.2f}" for k, v in phase_ms.items()))
     if dist.is_initialized():
         dist.destroy_process_group()
