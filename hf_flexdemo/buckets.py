@@ -157,14 +157,21 @@ class Bucket:
         torch._foreach_copy_(self.params, self.unstacked(values.to(self.dtype)))
 
 
-def build_buckets(slots_by_group: list[list[ParamSlot]]) -> list[Bucket]:
-    """One bucket per group, local shape, dtype and device, in the order of their first parameter:
-    every replica builds the same ones."""
-    buckets: dict[tuple, Bucket] = {}
+MAX_BUCKET_ENTRIES = 2**28
+"""A bucket holds at most this many entries (1 GiB of float32), or one tensor if that is larger: a phase's
+temporaries (a stacked gradient, its DCT, Newton-Schulz's iterates) scale with the bucket, so a model's
+largest shapes are handled in a few pieces rather than all at once."""
+
+
+def build_buckets(slots_by_group: list[list[ParamSlot]], max_entries: int = MAX_BUCKET_ENTRIES) -> list[Bucket]:
+    """One bucket per group, local shape, dtype and device (in pieces of at most ``max_entries``), in the order
+    of their first parameter: every replica builds the same ones."""
+    buckets: dict[tuple, list[Bucket]] = {}
     for group_index, slots in enumerate(slots_by_group):
         for slot in slots:
             key = (group_index, tuple(slot.param.shape), slot.param.dtype, slot.param.device)
-            if key not in buckets:
-                buckets[key] = Bucket(slots=[], shape=slot.param.shape, group=slot.group)
-            buckets[key].slots.append(slot)
-    return list(buckets.values())
+            pieces = buckets.setdefault(key, [])
+            if not pieces or (pieces[-1].count + 1) * pieces[-1].numel > max_entries:
+                pieces.append(Bucket(slots=[], shape=slot.param.shape, group=slot.group))
+            pieces[-1].slots.append(slot)
+    return [bucket for pieces in buckets.values() for bucket in pieces]

@@ -57,3 +57,16 @@ def test_state_entries_are_views_of_one_buffer_per_bucket_built_once():
     assert opt.state[params[1]]["momentum_dct"].untyped_storage().data_ptr() == (
         opt._buckets[0].buffers["momentum_dct"].untyped_storage().data_ptr()
     )
+
+
+def test_large_shapes_are_bucketed_in_pieces_that_bound_a_phases_temporaries():
+    from hf_flexdemo.buckets import ParamSlot, build_buckets
+    from hf_flexdemo.state_store import StateStore, StateView
+    from hf_flexdemo.topology import ReplicaTopology
+
+    store, group = StateStore(ReplicaTopology.single()), {}
+    params = [torch.zeros(4, 8) for _ in range(5)] + [torch.zeros(100)]
+    slots = [ParamSlot(p, StateView(store, p, p, {}), group, i) for i, p in enumerate(params)]
+    buckets = build_buckets([slots], max_entries=64)
+    assert [bucket.count for bucket in buckets] == [2, 2, 1, 1]  # 32 entries each; 100 alone, though above 64
+    assert [slot.index for bucket in buckets for slot in bucket.slots] == list(range(6))
