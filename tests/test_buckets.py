@@ -70,3 +70,17 @@ def test_large_shapes_are_bucketed_in_pieces_that_bound_a_phases_temporaries():
     buckets = build_buckets([slots], max_entries=64)
     assert [bucket.count for bucket in buckets] == [2, 2, 1, 1]  # 32 entries each; 100 alone, though above 64
     assert [slot.index for bucket in buckets for slot in bucket.slots] == list(range(6))
+
+
+def test_a_parameter_whose_storage_was_replaced_is_still_the_one_that_moves():
+    """FSDP2 re-shards into new storage after a move (``module.to``): the buckets follow, not the old tensor."""
+    params = [torch.nn.Parameter(torch.randn(8, 4)) for _ in range(2)]
+    opt = FlexDeMo(params, update="sign", topk=3, chunk=4)
+    grads = [[torch.randn(8, 4) for _ in range(2)] for _ in range(2)]
+    steps(opt, params, grads[:1])
+    old = params[0].data
+    params[0].data = old.clone()
+    before = params[0].detach().clone()
+    steps(opt, params, grads[1:])
+    assert not torch.equal(params[0].detach(), before)
+    assert opt._buckets[0].slots[0].param.data_ptr() == params[0].data_ptr()

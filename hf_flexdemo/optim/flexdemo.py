@@ -189,7 +189,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         self._verify_state = True  # check saved state against this layout at the next step (costs host syncs)
         self._uncounted: dict[int, list] = {}  # per bucket: [slots, bytes sent, dense bytes] not yet in the state
         self._buckets: list[Bucket] = []  # built at the first step (see _bucketed)
-        self._bucket_signature: tuple[int, ...] = ()
+        self._bucket_signature: tuple[tuple[int, int], ...] = ()
         self._host_step: int | None = None  # steps taken, mirrored on the host (no sync per step)
         self._managed = None  # fault tolerance: the ManagedReplicas that decide who the replicas are each step
         if mesh is not None:
@@ -419,7 +419,9 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
     def _bucketed(self) -> list[Bucket]:
         """The buckets of this optimizer's parameters: built at the first step, after the state was replaced
         (a load or a heal), and when the parameters were swapped (Accelerate's prepare)."""
-        signature = tuple(id(p) for group in self.param_groups for p in group["params"])
+        # A parameter swapped (Accelerate's prepare) or its shard's storage replaced (FSDP2 re-sharding
+        # after a move): the buckets' views would update the old tensors, so they are rebuilt.
+        signature = tuple((id(p), local_tensor(p).data_ptr()) for group in self.param_groups for p in group["params"])
         if self._buckets and not self._verify_state and signature == self._bucket_signature:
             return self._buckets
         self._flush_counters()  # bytes counted per bucket reach the parameters' counters before rebuilding
