@@ -158,20 +158,27 @@ class Bucket:
 
 
 MAX_BUCKET_ENTRIES = 2**28
-"""A bucket holds at most this many entries (1 GiB of float32), or one tensor if that is larger: a phase's
-temporaries (a stacked gradient, its DCT, Newton-Schulz's iterates) scale with the bucket, so a model's
-largest shapes are handled in a few pieces rather than all at once."""
+"""A bucket's parameters hold at most this many entries in all (1 GiB of float32; counted whole, not per
+shard), or one parameter if that is larger: a phase's temporaries (a stacked gradient, its DCT,
+Newton-Schulz's iterates) scale with the bucket, so the largest shapes are handled in a few pieces."""
 
 
 def build_buckets(slots_by_group: list[list[ParamSlot]], max_entries: int = MAX_BUCKET_ENTRIES) -> list[Bucket]:
-    """One bucket per group, local shape, dtype and device (in pieces of at most ``max_entries``), in the order
-    of their first parameter: every replica builds the same ones."""
+    """One bucket per group and parameter layout (in pieces of at most ``max_entries``), in the order of their
+    first parameter.
+
+    Decided by the whole parameters (shape, placements), not by this process's shards: every process of a
+    node then holds the same buckets (FSDP2's last shards may be shorter), which the orthogonal rule's
+    in-node exchange relies on, and every replica builds the same ones.
+    """
     buckets: dict[tuple, list[Bucket]] = {}
     for group_index, slots in enumerate(slots_by_group):
         for slot in slots:
-            key = (group_index, tuple(slot.param.shape), slot.param.dtype, slot.param.device)
+            whole, local = slot.state.param, slot.param
+            layout = (tuple(whole.shape), tuple(getattr(whole, "placements", ())), tuple(local.shape))
+            key = (group_index, layout, local.dtype, local.device)
             pieces = buckets.setdefault(key, [])
-            if not pieces or (pieces[-1].count + 1) * pieces[-1].numel > max_entries:
-                pieces.append(Bucket(slots=[], shape=slot.param.shape, group=slot.group))
+            if not pieces or (len(pieces[-1].slots) + 1) * whole.numel() > max_entries:
+                pieces.append(Bucket(slots=[], shape=local.shape, group=slot.group))
             pieces[-1].slots.append(slot)
     return [bucket for pieces in buckets.values() for bucket in pieces]

@@ -84,3 +84,22 @@ def test_a_parameter_whose_storage_was_replaced_is_still_the_one_that_moves():
     steps(opt, params, grads[1:])
     assert not torch.equal(params[0].detach(), before)
     assert opt._buckets[0].slots[0].param.data_ptr() == params[0].data_ptr()
+
+
+def test_every_process_of_a_node_builds_the_same_buckets_from_uneven_shards():
+    """(5, 3) and (6, 3) over 2 processes: rank 0 holds two (3, 3) shards, rank 1 a (2, 3) and a (3, 3). The
+    orthogonal rule deals a node's buckets to owners, so both ranks must see the same two buckets."""
+    from types import SimpleNamespace
+
+    from hf_flexdemo.buckets import ParamSlot, build_buckets
+
+    wholes = [torch.zeros(5, 3), torch.zeros(6, 3)]
+    per_rank = []
+    for rank in range(2):
+        slots = []
+        for i, whole in enumerate(wholes):
+            local = torch.chunk(whole, 2)[rank]
+            state = SimpleNamespace(param=whole)
+            slots.append(ParamSlot(local, state, {}, i))
+        per_rank.append([[tuple(s.state.param.shape) for s in b.slots] for b in build_buckets([slots])])
+    assert per_rank[0] == per_rank[1] == [[(5, 3)], [(6, 3)]]
