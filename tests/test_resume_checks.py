@@ -8,6 +8,7 @@ relaunches a finished single-process Trainer run.
 from __future__ import annotations
 
 import json
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +24,9 @@ pytestmark = pytest.mark.unit
 
 def sharded_checkpoint(folder, model, model_type: str | None = None):
     """What Accelerate's FSDP save leaves: the model's tensors under "model." in a distributed checkpoint."""
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder / MODEL_FOLDER), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder / MODEL_FOLDER), no_dist=True)
     if model_type:
         (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
     return folder
@@ -50,21 +53,27 @@ def test_the_same_models_checkpoint_passes(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "saved,args,complete",
+    "saved,args,ended,complete",
     [
-        (dict(global_step=4, epoch=0.5), dict(max_steps=4, num_train_epochs=3), True),
-        (dict(global_step=4, epoch=0.5), dict(max_steps=6, num_train_epochs=3), False),
-        (dict(global_step=30, epoch=3.0), dict(max_steps=-1, num_train_epochs=3), True),
-        (dict(global_step=30, epoch=3.0), dict(max_steps=-1, num_train_epochs=4), False),
+        (dict(global_step=4, epoch=0.5), dict(max_steps=4, num_train_epochs=3), True, True),
+        (dict(global_step=4, epoch=0.5), dict(max_steps=4, num_train_epochs=3), False, False),  # stopped before its end
+        (dict(global_step=4, epoch=0.5), dict(max_steps=6, num_train_epochs=3), True, False),
+        (dict(global_step=30, epoch=3.0), dict(max_steps=-1, num_train_epochs=3), True, True),
+        (dict(global_step=30, epoch=3.0), dict(max_steps=-1, num_train_epochs=4), True, False),
     ],
 )
-def test_a_checkpoint_that_finished_the_run_ends_it(tmp_path, capsys, saved, args, complete):
-    (tmp_path / "trainer_state.json").write_text(json.dumps(saved))
+def test_a_run_that_reached_its_end_ends_at_once(tmp_path, capsys, saved, args, ended, complete):
+    checkpoint = tmp_path / "checkpoint-x"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps(saved))
+    if ended:  # trainer.save_state() after train(), as the scripts do
+        (tmp_path / "trainer_state.json").write_text(json.dumps(saved))
+    args = SimpleNamespace(output_dir=str(tmp_path), **args)
     if not complete:
-        stop_if_complete(tmp_path, SimpleNamespace(**args))
+        stop_if_complete(checkpoint, args)
         return
     with pytest.raises(SystemExit) as stopped:
-        stop_if_complete(tmp_path, SimpleNamespace(**args))
+        stop_if_complete(checkpoint, args)
     assert stopped.value.code == 0
     assert "this run is complete" in capsys.readouterr().out
 
@@ -75,10 +84,12 @@ def test_a_relaunched_finished_run_trains_and_writes_nothing(tmp_path):
         str(tmp_path), optim="flexdemo", optim_args="topk=8,chunk=16", use_cpu=True, max_steps=2, save_steps=2,
         per_device_train_batch_size=2, report_to="none", dataloader_pin_memory=False,
     )  # fmt: skip
-    Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=8)).train()
+    first = Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=8))
+    first.train()
+    first.save_state()  # the end of a script's run
     before = sorted(p.name for p in tmp_path.iterdir())
     relaunch = Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=8))
     with pytest.raises(SystemExit) as stopped:
         relaunch.train()
     assert stopped.value.code == 0 and relaunch.state.global_step == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == before == ["checkpoint-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before == ["checkpoint-2", "trainer_state.json"]

@@ -4,15 +4,17 @@
   resumed by the T5 script, or a T5 of another size) is refused once, naming both models;
   torch's loader would fail on every process ("Missing key in checkpoint state_dict:
   model.shared.weight.", or a size mismatch), each with its traceback.
-- :func:`stop_if_complete`: a relaunch of a run whose checkpoint already reached
-  ``max_steps`` (or ``num_train_epochs``) says so in one line and exits with nothing changed.
+- :func:`stop_if_complete`: a relaunch of a run that reached ``max_steps`` (or
+  ``num_train_epochs``) and saved its final state says so in one line and exits with nothing
+  changed.
   The Trainer would resume it, train one step past ``max_steps`` and write another checkpoint;
   and a script that goes on to evaluate and save after ``train()`` would overwrite the final
   model.
 
-Both read what the checkpoint holds on disk: ``config.json`` (the scripts write it into every
+Both read what is on disk: the checkpoint's ``config.json`` (the scripts write it into every
 checkpoint), the distributed checkpoint's metadata (``pytorch_model_fsdp_0/.metadata``, the
-names and shapes of the saved tensors) and ``trainer_state.json``.
+names and shapes of the saved tensors), and the ``trainer_state.json`` of the checkpoint and
+of ``output_dir``.
 """
 
 from __future__ import annotations
@@ -92,17 +94,32 @@ def _saved_shapes(checkpoint: Path) -> dict[str, tuple[int, ...]] | None:
 
 
 def completed_run(checkpoint: Path, args) -> str | None:
-    """Why resuming ``checkpoint`` with ``args`` would train nothing new, or None."""
-    try:
-        state = json.loads((checkpoint / "trainer_state.json").read_text())
-    except (OSError, ValueError):
+    """Why resuming ``checkpoint`` with ``args`` would train nothing new, or None.
+
+    Complete means: the checkpoint reached ``max_steps`` (or ``num_train_epochs``), and the run
+    went on to its end, where it saved its state into ``output_dir`` (``trainer.save_state()``,
+    as the scripts here and Hugging Face's example scripts do after ``train()``). A run that
+    stopped between its last checkpoint and its end is resumed, so that it finishes.
+    """
+    state = _read_json(checkpoint / "trainer_state.json")
+    final = _read_json(Path(args.output_dir) / "trainer_state.json")
+    if state is None or final is None:
         return None
     step, epoch = state.get("global_step", 0), state.get("epoch")
+    if final.get("global_step", -1) < step:
+        return None
     if args.max_steps > 0 and step >= args.max_steps:
         return f"{checkpoint.name} is at step {step} of --max_steps {args.max_steps}"
     if args.max_steps <= 0 and epoch is not None and epoch >= args.num_train_epochs:
         return f"{checkpoint.name} is at epoch {epoch:g} of --num_train_epochs {args.num_train_epochs:g}"
     return None
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def stop_if_complete(checkpoint: Path, args) -> None:
