@@ -173,6 +173,11 @@ class FlexDeMoConfig:
         validate_group(dataclasses.asdict(self), scheme=self.scheme, elementwise_update=self.elementwise_update)
         _check_choice("decode", self.decode, DECODE_MODES)
         _check_choice("ns_dtype", self.ns_dtype, tuple(NS_DTYPES))
+        if self.ns_dtype != "bf16" and self.update != "orthogonal":  # it would be ignored
+            raise ValueError(
+                f"FlexDeMo: ns_dtype={self.ns_dtype!r} applies to update='orthogonal' (its Newton-Schulz "
+                f"iteration), but update is {self.update!r}; drop ns_dtype, or set update='orthogonal'."
+            )
         _check_choice("value_dtype", self.value_dtype, tuple(VALUE_DTYPES))
         _check_int("replicate_every", self.replicate_every, low=1)
         if self.replicate_every != 1 and self.scheme not in PER_STEP_SCHEMES:

@@ -39,6 +39,8 @@ BAD = [
     (dict(shared_indices=True, value_bits=1), "value_bits=1", "all-reduce"),
     (dict(shared_indices=True, value_dtype="bf16"), "value_dtype='bf16'", "float32"),
     (dict(shared_indices=True, pack_indices=True), "pack_indices=True", "Set pack_indices=False"),
+    (dict(ns_dtype="fp16"), "ns_dtype='fp16'", "'bf16', 'float32'"),
+    (dict(update="sign", ns_dtype="float32"), "ns_dtype='float32'", "update='orthogonal'"),
 ]
 
 
@@ -136,6 +138,7 @@ def test_a_fraction_with_a_zero_denominator_is_refused_clearly():
         (dict(scheme="random"), ["rate", "sign"], ["topk", "chunk", "decode"]),
         (dict(scheme="none"), ["decay", "update"], ["value_dtype", "replicate_every", "topk"]),
         (dict(scheme="diloco"), ["inner_steps", "outer_lr"], ["decay", "update", "sign", "topk"]),
+        (dict(ns_dtype="float32"), ["update", "ns_dtype"], ["sign"]),  # the default, bf16, goes unsaid
     ],
 )
 def test_a_summary_lists_the_settings_that_act(kwargs, acting, ignored):
