@@ -27,8 +27,10 @@ def steps(opt, params, grads):
 def test_a_checkpoint_of_the_per_tensor_step_resumes_and_continues_its_run(config):
     saved = torch.load(FIXTURE, weights_only=False)
     params = [torch.nn.Parameter(t.clone()) for t in saved[config]["params_at_3"]]
-    # The checkpoint's Newton-Schulz was float32 (today's default is bf16, a setting of the run).
-    opt = FlexDeMo(params, **saved["hp"], **saved["configs"][config], ns_dtype="float32", elementwise=params[:1])
+    rules = saved["configs"][config]
+    if rules["update"] == "orthogonal":  # the checkpoint's Newton-Schulz was float32 (today's default is bf16)
+        rules = {**rules, "ns_dtype": "float32"}
+    opt = FlexDeMo(params, **saved["hp"], **rules, elementwise=params[:1])
     opt.load_state_dict(saved[config]["state"])
     steps(opt, params, saved["grads"][3:])
     # sign: the same arithmetic per tile, batched; orthogonal: float32 Newton-Schulz fused differently (baddbmm).

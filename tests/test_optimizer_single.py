@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hf_flexdemo import FlexDeMo
+from hf_flexdemo import FlexDeMo, FlexDeMoConfig
 from hf_flexdemo.buckets import Bucket, ParamSlot, build_buckets
 from hf_flexdemo.compression import (
     ChunkPlan,
@@ -54,8 +54,9 @@ def test_one_replica_matches_the_reference(scheme, sign):
 def run_with_reference(steps: int = 12, **hp):
     """One replica of FlexDeMo and of the reference, stepped on the same gradients: (params, opt, ref)."""
     params = make_params()
-    # Newton-Schulz in float32 (the default, bf16, is compared with it in test_update_rules.py).
-    hp = {**SMALL, "ns_dtype": "float32", **hp}
+    hp = {**SMALL, **hp}
+    if FlexDeMoConfig(**hp).update == "orthogonal":  # in float32 (the default, bf16, is checked in test_update_rules)
+        hp.setdefault("ns_dtype", "float32")
     ref = FlexDeMoReference([p.detach() for p in params], replicas=1, **hp)
     opt = FlexDeMo(params, **hp)
     for step in range(steps):
