@@ -1,7 +1,7 @@
 """Buckets: the parameters that one step phase handles together, with their state in one buffer each.
 
-A bucket holds the parameters of one group that share a local shape, a dtype and an update
-rule. Every step phase (momentum, DCT, top-k, error feedback, decode, rule) runs once per
+A bucket holds the parameters of one group (so one update rule) that share a layout (whole
+shape, placements, local shape) and a dtype. Every step phase (momentum, DCT, top-k, error feedback, decode, rule) runs once per
 bucket on ``(count, *shape)`` tensors, so a step launches work per bucket, not per tensor:
 OLMo2's 179 tensors fall into 5 to 10 buckets, whatever the number of layers.
 
@@ -38,7 +38,7 @@ class ParamSlot:
 
 @dataclass
 class Bucket:
-    """Parameters of one group with the same local shape and dtype: one step phase acts on all at once.
+    """Parameters of one group with the same layout and dtype: one step phase acts on all at once.
 
     ``group``, ``grad`` and ``carried`` belong to one step (see :meth:`for_step`); the buffers
     belong to the bucket and persist across steps.
