@@ -1,9 +1,10 @@
 """Buckets: the parameters that one step phase handles together, with their state in one buffer each.
 
 A bucket holds the parameters of one group (so one update rule) that share a layout (whole
-shape, placements, local shape) and a dtype. Every step phase (momentum, DCT, top-k, error feedback, decode, rule) runs once per
-bucket on ``(count, *shape)`` tensors, so a step launches work per bucket, not per tensor:
-OLMo2's 179 tensors fall into 5 to 10 buckets, whatever the number of layers.
+shape, placements, local shape) and a dtype. Every step phase (momentum, DCT, top-k, error
+feedback, decode, rule) runs once per bucket on ``(count, *shape)`` tensors, so a step launches
+work per bucket, not per tensor: OLMo2's 179 tensors fall into 5 to 10 buckets, whatever the
+number of layers.
 
 The optimizer state stays per parameter (checkpoints keep their keys and layout): each
 parameter's entry is a view into the bucket's contiguous buffer for that key. A bucket is
@@ -109,31 +110,24 @@ class Bucket:
         self.buffers[key] = buffer
         return buffer
 
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> Callable[[ParamSlot], torch.Tensor]:
+        return lambda slot: torch.zeros(shape, dtype=dtype, device=self.device)
+
     def per_replica(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         """State that differs between replicas (momentum), zeros to begin with: ``(count, *shape)``."""
-
-        def zeros(slot: ParamSlot) -> torch.Tensor:
-            return torch.zeros(self.shape, dtype=dtype, device=self.device)
-
-        return self._buffer(key, dtype, zeros, StateView.bind_per_replica, tuple(self.shape))
+        shape = tuple(self.shape)
+        return self._buffer(key, dtype, self._zeros(shape, dtype), StateView.bind_per_replica, shape)
 
     def shared(
         self, key: str, dtype: torch.dtype, init: Callable[[ParamSlot], torch.Tensor] | None = None
     ) -> torch.Tensor:
         """State equal on every replica, laid out like the parameter: ``(count, *shape)``; zeros by default."""
-
-        def zeros(slot: ParamSlot) -> torch.Tensor:
-            return torch.zeros(self.shape, dtype=dtype, device=self.device)
-
-        return self._buffer(key, dtype, init or zeros, StateView.bind_shared, tuple(self.shape))
+        shape = tuple(self.shape)
+        return self._buffer(key, dtype, init or self._zeros(shape, dtype), StateView.bind_shared, shape)
 
     def scalars(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         """One number per parameter (a step count), zero to begin with: ``(count,)``; each entry a 0-d view."""
-
-        def zero(slot: ParamSlot) -> torch.Tensor:
-            return torch.zeros((), dtype=dtype, device=self.device)
-
-        return self._buffer(key, dtype, zero, StateView.bind_plain, ())
+        return self._buffer(key, dtype, self._zeros((), dtype), StateView.bind_plain, ())
 
     def stacked_params(self) -> torch.Tensor:
         """A copy of the parameters as one ``(count, *shape)`` tensor."""
