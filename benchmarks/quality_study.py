@@ -373,7 +373,9 @@ def check_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        sys.exit(f"quality_study: the report's plots need matplotlib; run {sys.executable} -m pip install -e '.[bench]'")
+        sys.exit(
+            f"quality_study: the report's plots need matplotlib; run {sys.executable} -m pip install -e '.[bench]'"
+        )
 
 
 def report(out: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 
 import pytest
 
@@ -229,3 +230,43 @@ def test_a_distributed_checkpoint_failure_on_any_rank_is_recognised():
     assert storage_cause(failure) == "the disk is full (No space left on device)"
     with pytest.raises(CheckpointStorageError), storage_errors("/nonexistent/run"):
         raise failure
+
+
+def test_a_short_write_is_a_storage_failure_and_a_full_disk_when_the_disk_is_full(tmp_path):
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert storage_cause(short, tmp_path) == (
+        "a write came up short (inline_container.cc:672] . unexpected pos 704 vs 598)"
+    )
+    with pytest.raises(CheckpointStorageError, match="a write came up short"), storage_errors(tmp_path):
+        raise short
+
+
+def test_every_way_a_distributed_checkpoint_fails_on_a_full_disk_says_the_disk_is_full():
+    """DCP sends each rank's failure to the others pickled, without its context: on a full disk
+    torch's zip writer may leave only "unexpected pos", the ENOSPC behind it lost."""
+    import os
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from support.faults import small_disk
+
+    from hf_flexdemo.integrations.checkpoints import _chain
+
+    causes, short_writes = set(), 0
+    with small_disk(1) as disk:
+        if disk is None:
+            pytest.skip("mounting a small tmpfs needs root and mount(8)")
+        for free in range(0, 40_000, 1_000):  # every point at which the disk can run out
+            for leftover in disk.iterdir():
+                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+            space = os.statvfs(disk)
+            (disk / "filler").write_bytes(b"x" * (space.f_bavail * space.f_frsize - free))
+            try:
+                dcp.save({"a": torch.randn(2000), "b": torch.randn(3000)}, checkpoint_id=disk / "checkpoint")
+            except BaseException as error:  # DCP's CheckpointException is a BaseException
+                sent = pickle.loads(pickle.dumps(error))  # as a peer receives it
+                short_writes += any("unexpected pos" in str(e) for e in _chain(sent))
+                causes.add(storage_cause(sent, disk).split(" (")[0])
+    assert causes == {"the disk is full"}
+    assert short_writes, "no failure took the short-write path: the test no longer covers it"

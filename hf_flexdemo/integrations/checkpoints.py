@@ -50,6 +50,10 @@ STORAGE_TEXTS = {  # the same causes where only a message survives (torch's C++ 
     "Read-only file system": "the file system is read-only",
     "Disk quota exceeded": "the disk quota is used up",
 }
+# torch's zip writer says only this when a write came up short; the errno is lost (DCP pickles each
+# rank's failure without its context), so the output directory's free space tells whether it was full.
+SHORT_WRITE = re.compile(r"inline_container\.cc:\d+\] \. unexpected pos \d+ vs \d+")
+FULL_BELOW = 64 * 2**20  # bytes free under which a disk counts as full (or 1% of it, if less)
 
 
 class CheckpointStorageError(OSError):
@@ -308,7 +312,7 @@ def storage_errors(run_dir: str | os.PathLike):
     except CheckpointStorageError:
         raise
     except BaseException as error:  # DCP's CheckpointException is a BaseException
-        cause = None if isinstance(error, (KeyboardInterrupt, SystemExit)) else storage_cause(error)
+        cause = None if isinstance(error, (KeyboardInterrupt, SystemExit)) else storage_cause(error, run_dir)
         if cause is None:
             raise
         run_dir = Path(run_dir)
@@ -345,15 +349,35 @@ def exit_on_storage_error(error: CheckpointStorageError) -> NoReturn:
     raise SystemExit(1 if rank == 0 else f"rank {rank}: {error.cause or error}")
 
 
-def storage_cause(error: BaseException) -> str | None:
-    """A short storage cause found anywhere in ``error``'s chain (DCP's per-rank failures included)."""
+def storage_cause(error: BaseException, run_dir: str | os.PathLike | None = None) -> str | None:
+    """A short storage cause found anywhere in ``error``'s chain (DCP's per-rank failures included).
+
+    A write that came up short, with no reason left, is put down to ``run_dir``'s disk when that
+    disk is full now; otherwise it is still a storage failure, said as it is.
+    """
+    short_write = None
     for current in _chain(error):
         if isinstance(current, OSError) and current.errno in STORAGE_ERRNOS:
             return f"{STORAGE_ERRNOS[current.errno]} ({current.strerror})"
         for text, cause in STORAGE_TEXTS.items():
             if text in str(current):
                 return f"{cause} ({text})"
-    return None
+        short_write = short_write or SHORT_WRITE.search(str(current))
+    if short_write is None:
+        return None
+    if run_dir is not None and _disk_is_full(Path(run_dir)):
+        return f"the disk is full (a write came up short: {short_write.group(0)})"
+    return f"a write came up short ({short_write.group(0)})"
+
+
+def _disk_is_full(path: Path) -> bool:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        disk = os.statvfs(path)
+    except OSError:
+        return False
+    return disk.f_bavail * disk.f_frsize < min(FULL_BELOW, disk.f_blocks * disk.f_frsize // 100)
 
 
 def _raised_on_every_rank(error: BaseException) -> bool:

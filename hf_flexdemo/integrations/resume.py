@@ -54,14 +54,15 @@ def check_checkpoint_model(checkpoint: Path, model: torch.nn.Module | None) -> N
         reshaped = sorted(name for name in set(expected) & set(saved) if saved[name] != expected[name])
         if missing:
             problem = (
-                f"this run's model of type {run_type!r} ({type(model).__name__}) has {len(missing)} tensors the checkpoint "
-                f"lacks, such as {', '.join(missing[:3])}"
+                f"this run's model of type {run_type!r} ({type(model).__name__}) has {len(missing)} tensors "
+                f"the checkpoint lacks, such as {', '.join(missing[:3])}"
             )
         elif reshaped:
             name = reshaped[0]
             problem = (
-                f"{len(reshaped)} tensors have other shapes than in this run's model of type {run_type!r}, such as {name} "
-                f"(saved {list(saved[name])}, this run {list(expected[name])}): another size of the model"
+                f"{len(reshaped)} tensors have other shapes than in this run's model of type {run_type!r}, "
+                f"such as {name} (saved {list(saved[name])}, this run {list(expected[name])}): "
+                "another size of the model"
             )
     if problem:
         raise ValueError(
