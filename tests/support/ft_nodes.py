@@ -45,7 +45,9 @@ class Lighthouse:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
-        wait_for(lambda: port_open(self.port), 20, "the Lighthouse to listen", poll=0.2, gone=self._exited)
+        # Its entry point imports torchft (and torch) first: seconds when idle, a minute under heavy load.
+        # A Lighthouse that exits fails the wait at once, so the deadline only bounds a hang.
+        wait_for(lambda: port_open(self.port), 180, "the Lighthouse to listen", poll=0.2, gone=self._exited)
 
     def _exited(self) -> str | None:
         return None if self.proc.poll() is None else f"torchft_lighthouse exited with {self.proc.returncode}"
