@@ -182,6 +182,10 @@ class ManagedReplicas:
         self._resumed = False  # whether this node continues from a checkpoint
         self._job: LighthouseView | None = None  # the job as the Lighthouse saw it before this node joined
         self._settled = False  # whether this node has committed a step (then it holds the job's state)
+        self.membership: list[tuple[int, tuple[str, ...]]] = []
+        """``(committed steps, nodes)`` at each change of the quorum's nodes this node saw, oldest first."""
+        self.node_steps = 0
+        """Sum over the steps this node committed of the quorum's size: the job's committed work, in node-steps."""
         logger.info(
             "FlexDeMo fault tolerance: %s (rank %d of %d) joined the Lighthouse at %s; min_replicas=%d.",
             self.identity.name,
@@ -303,6 +307,7 @@ class ManagedReplicas:
         members = self._quorum.members
         if members == previous:
             return
+        self.membership.append((self.manager.current_step(), members))
         undone, self._undone = self._undone, 0
         if not previous or self._rank != 0:
             return
@@ -382,6 +387,7 @@ class ManagedReplicas:
         if committed:
             self._uncommitted = 0
             self._settled = True
+            self.node_steps += live
             return True
         self._uncommitted += 1
         self._undone += 1
@@ -422,6 +428,19 @@ class ManagedReplicas:
             f"start the Lighthouse with --min_replicas {self.config.min_replicas} (the job's min_replicas) so that "
             f"nodes wait for each other. {lighthouse_status(self.identity.lighthouse)}."
         )
+
+    def membership_story(self) -> str:
+        """How the quorum grew and shrank while this node was in it, in one line."""
+        if not self.membership:
+            return "no quorum met"
+        (step, nodes), *changes = self.membership
+        parts = [f"{len(nodes)} node(s) ({', '.join(nodes)}) at step {step}"]
+        for (step, nodes), (_, before) in zip(changes, self.membership):
+            moves = [f"{', '.join(n for n in before if n not in nodes)} left"] if set(before) - set(nodes) else []
+            moves += [f"{', '.join(n for n in nodes if n not in before)} joined"] if set(nodes) - set(before) else []
+            way = "grew" if len(nodes) > len(before) else "shrank" if len(nodes) < len(before) else "changed"
+            parts.append(f"{way} to {len(nodes)} at step {step} ({'; '.join(moves)})")
+        return "; ".join(parts)
 
     def report(self, error: Exception) -> None:
         self.manager.report_error(error)

@@ -133,6 +133,60 @@ def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, sc
         a_finished_job_is_not_started_over(nodes[1])
 
 
+@pytest.mark.faults
+def test_a_node_started_mid_run_heals_once_reads_its_own_data_and_the_job_grows(lighthouse, tmp_path):
+    """NUM_REPLICA_GROUPS=3 declares the job's most nodes; nodes 0 and 1 start, node 2 joins later."""
+    rows = 1200  # 400 a node: 100 steps of 4 before a node sees its share twice
+    flags = [*TINY, "--max_steps", "40", "--step_delay", "0.05", "--logging_steps", "2", "--record_samples"]
+    flags += ["--train_rows", str(rows), *ft_args()]
+    slow = tmp_path / "slow_until_node2_trains"  # however long node 2 takes to start, the others still train
+    slow_nodes = ("--slow_while", str(slow))
+    nodes = nodes_of(3, lighthouse, tmp_path, *flags, processes=1, extra={0: slow_nodes, 1: slow_nodes})
+    third_joins_two(nodes, slow)
+    wait_until(lambda: nodes[2].step() > 0, 180, "node 2 to train", running=nodes)
+    slow.unlink()
+    finish(nodes)
+
+    results = [node.result(0) for node in nodes]
+    assert len({r["fingerprint"] for r in results}) == 1, "the nodes end with different parameters"
+    assert all(r["global_step"] == 40 for r in results)
+    joined_at = next(p["step"] for p in nodes[0].progress() if p["replicas"] == 3)
+    assert nodes[2].log().count("took the parameters and training position from a live peer") == 1
+    grew = r"quorum of live nodes: .*grew to 3 at step \d+ \(node2 joined\)"
+    assert re.search(grew, nodes[0].log()), nodes[0].log()[-3000:]
+    assert f"quorum of live nodes: 3 node(s) (node0, node1, node2) at step {joined_at - 1}" in nodes[2].log()
+    # Samples committed per step: 4 a node, 8 with two nodes, 12 once node 2 is in (x1.5).
+    per_step = results[0]["samples_per_step"]
+    before = [value for step, value in per_step if step < joined_at - 2]
+    after = [value for step, value in per_step if step > joined_at + 2]
+    assert before[-1] == 8 and set(before) <= {4, 8}, per_step  # node 0 may have trained alone at first
+    assert after and set(after) == {12}, per_step
+
+    # Each node read only its own share: NUM_REPLICA_GROUPS fixes the split, whoever is live.
+    from support.tiny_hf import dataset, sample_hash, tokenizer
+
+    from hf_flexdemo.fault_tolerance import NodeIdentity
+    from hf_flexdemo.integrations.fault_tolerant_trainer import split_by_node
+
+    data = dataset("olmo2", tokenizer(), rows=rows)
+    for node in nodes:
+        identity = NodeIdentity(lighthouse.address, node.index, 3)
+        share = {sample_hash(ids) for ids in split_by_node(data, identity)["input_ids"]}
+        lines = (node.dir / "samples_rank0.jsonl").read_text().splitlines()
+        read = [h for line in lines for h in json.loads(line)]
+        assert read and set(read) <= share, f"node{node.index} read samples outside its share"
+
+
+def third_joins_two(nodes: list[Node], slow) -> None:
+    """Nodes 0 and 1 start (slowed while ``slow`` exists); once they train together, node 2 starts."""
+    slow.touch()
+    nodes[0].start()
+    nodes[1].start()
+    together = lambda: all(any(p["replicas"] == 2 for p in node.progress()) for node in nodes[:2])  # noqa: E731
+    wait_until(together, 180, "nodes 0 and 1 to train together", running=nodes[:2])
+    nodes[2].start()
+
+
 def said_by_us(nodes: list[Node], killed: int) -> None:
     """What the nodes print: our lines on quorum changes and healing, the summary; no torchft INFO lines."""
     survivor = nodes[1 - killed]
@@ -177,12 +231,7 @@ def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(lighthouse, tm
     slow_nodes = ("--slow_while", str(slow))
     extra_flags = {0: slow_nodes, 1: slow_nodes, 2: ("--kill_node_in_exchange_at", "10")}
     nodes = nodes_of(3, lighthouse, tmp_path, *flags, processes=1, extra=extra_flags)
-    slow.touch()
-    nodes[0].start()
-    nodes[1].start()
-    together = lambda: all(any(p["replicas"] == 2 for p in node.progress()) for node in nodes[:2])  # noqa: E731
-    wait_until(together, 180, "nodes 0 and 1 to train together", running=nodes[:2])
-    nodes[2].start()
+    third_joins_two(nodes, slow)
     assert nodes[2].wait(180) != 0  # it killed itself
     slow.unlink()
     finish(nodes[:2])

@@ -147,3 +147,23 @@ def test_a_node_that_would_start_a_finished_job_over_is_refused_and_a_resumed_on
     assert job_state_verdict(before, late, "node1", 0, resumed=False) is None
     assert job_state_verdict(before, gone, "node1", 100, resumed=False) is None  # healed to the job's state
     assert job_state_verdict(LighthouseView(), gone, "node1", 0, resumed=False) is None  # a new job
+
+
+def test_the_summary_tells_how_the_quorum_grew_and_shrank():
+    from types import SimpleNamespace
+
+    from hf_flexdemo.fault_tolerance import ManagedReplicas
+
+    seen = SimpleNamespace(
+        membership=[
+            (0, ("node0", "node1")),
+            (51, ("node0", "node1", "node2")),
+            (120, ("node0", "node2")),
+            (130, ("node0", "node1", "node3")),
+        ]
+    )
+    assert ManagedReplicas.membership_story(seen) == (
+        "2 node(s) (node0, node1) at step 0; grew to 3 at step 51 (node2 joined); "
+        "shrank to 2 at step 120 (node1 left); grew to 3 at step 130 (node2 left; node1, node3 joined)"
+    )
+    assert ManagedReplicas.membership_story(SimpleNamespace(membership=[])) == "no quorum met"

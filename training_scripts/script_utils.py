@@ -38,6 +38,7 @@ from hf_flexdemo.integrations.checkpoints import (
     storage_errors,
 )
 from hf_flexdemo.integrations.trainer import describe, is_flexdemo, layout, node_count, node_label
+from hf_flexdemo.optim import unwrap_flexdemo
 from hf_flexdemo.wire import ring_all_reduce_bytes
 
 logger = logging.getLogger(__name__)
@@ -394,6 +395,9 @@ def print_summary(trainer: Trainer, metrics: dict[str, float], headline: Sequenc
         )
     else:
         print(f"   inter-node bytes sent by {node} (dense all-reduce): {_bytes(figures['dense'])}")
+    replicas = unwrap_flexdemo(trainer.optimizer).managed if is_flexdemo(trainer.args) else None
+    if replicas is not None:
+        print(f"   quorum of live nodes: {replicas.membership_story()}")
 
 
 def _bytes(n: float) -> str:

@@ -14,7 +14,9 @@
   ``flexdemo/bytes_sent_per_step``, cumulative ``flexdemo/bytes_sent`` and ``flexdemo/bytes_received``,
   ``flexdemo/dense_bytes`` (what HSDP's dense all-reduce would have sent) and
   ``flexdemo/compression_ratio``; with fault tolerance also ``flexdemo/live_replicas`` (the
-  last quorum's nodes) and ``flexdemo/committed_steps`` (steps the quorum committed).
+  last quorum's nodes), ``flexdemo/committed_steps`` (steps the quorum committed),
+  ``flexdemo/samples_per_step`` (samples the last quorum's step trained on, over all its
+  nodes: it rises as nodes join) and ``flexdemo/committed_samples`` (the job's, since this node joined).
 - **Checks replicas** at every logging step (and every ``check_every`` steps, if set):
   replicas that should hold the same parameters are compared by checksum, and training
   stops with an error if they drifted.
@@ -57,6 +59,7 @@ class FlexDeMoCallback(TrainerCallback):
         self._node_group = None
         self._last = None  # (global_step, totals) at the last log
         self._pending: dict[str, float] = {}
+        self._node_samples = 0  # samples one node trains on per step (all its processes, accumulation included)
         self.figures: dict[str, float] = {}
         """This node's latest figures (the logged keys; node 0's on the main process), refreshed at logging steps
         and at the end."""
@@ -107,6 +110,7 @@ class FlexDeMoCallback(TrainerCallback):
         if state.is_world_process_zero:
             logger.info("FlexDeMo: %d replica(s), scheme=%r, %s", topo.size, opt.config.scheme, opt.config)
         self._last = (state.global_step, self._node_totals())
+        self._node_samples = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
 
     # -- every step ----------------------------------------------------------------------
 
@@ -190,5 +194,7 @@ class FlexDeMoCallback(TrainerCallback):
         if replicas is not None:  # fault tolerance: who is training, and how far the quorum got
             figures["flexdemo/live_replicas"] = replicas.topology().size
             figures["flexdemo/committed_steps"] = replicas.step
+            figures["flexdemo/samples_per_step"] = replicas.topology().size * self._node_samples
+            figures["flexdemo/committed_samples"] = replicas.node_steps * self._node_samples
         self.figures = figures
         return figures

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from datasets import Dataset
 from offline_data import bpe_tokenizer, english_paragraphs
 from transformers import (
@@ -57,3 +60,8 @@ def dataset(kind: str, tok, rows: int = 256, length: int = 32) -> Dataset:
         [t if m else -100 for t, m in zip(ids, mask)] for ids, mask in zip(enc["input_ids"], enc["attention_mask"])
     ]
     return Dataset.from_dict({**enc, "labels": labels})
+
+
+def sample_hash(input_ids) -> str:
+    """A short name for one sample, the same in every process: which node read what."""
+    return hashlib.sha1(json.dumps(list(input_ids)).encode()).hexdigest()[:16]

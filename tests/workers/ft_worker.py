@@ -16,6 +16,8 @@ exchange, before its payload is out: the other nodes are in the collective waiti
 live state by a healing peer dies right then.
 ``--slow_while PATH`` (test only): each step takes a second more while PATH exists, so that
 a relaunched peer, however long it takes to start, finds this node still training.
+``--record_samples`` (test only): ``samples_rank<N>.jsonl`` gets one line per batch drawn, the
+hashes of its samples, so that a test can tell which node read what.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch.distributed as dist
 from script_utils import print_summary  # training_scripts/, on the workers' path
 from support.ft_nodes import kill_node
-from support.tiny_hf import dataset, tiny_model, tokenizer
+from support.tiny_hf import dataset, sample_hash, tiny_model, tokenizer
 from transformers import (
     HfArgumentParser,
     Trainer,
@@ -54,6 +56,19 @@ class WorkerArgs:
     die_while_serving_after: int = 0
     corrupt_at: int = 0
     slow_while: str = ""
+    record_samples: bool = False
+    train_rows: int = 256
+
+
+def recording(collate, path: Path):
+    """``collate``, writing the hashes of every batch it is given to ``path`` first."""
+
+    def collate_and_record(features):
+        with path.open("a") as f:
+            f.write(json.dumps([sample_hash(feature["input_ids"]) for feature in features]) + "\n")
+        return collate(features)
+
+    return collate_and_record
 
 
 class Progress(TrainerCallback):
@@ -123,11 +138,16 @@ def main() -> None:
     model = tiny_model(worker.model, len(tok))
     base = Path(args.output_dir)  # shared by the nodes of a test
     trainer = Trainer(
-        model=model, args=args, train_dataset=dataset(worker.model, tok), data_collator=default_data_collator
+        model=model,
+        args=args,
+        train_dataset=dataset(worker.model, tok, rows=worker.train_rows),
+        data_collator=default_data_collator,
     )
     out = Path(trainer.args.output_dir)  # <output_dir>/node<ID>
     out.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank()
+    if worker.record_samples:
+        trainer.data_collator = recording(default_data_collator, out / f"samples_rank{rank}.jsonl")
     progress = Progress(out / f"progress_rank{rank}.jsonl", worker.step_delay, worker.corrupt_at, worker.slow_while)
     trainer.add_callback(progress)
     if worker.kill_node_in_exchange_at:
@@ -142,6 +162,9 @@ def main() -> None:
         "global_step": trainer.state.global_step,
         "committed": unwrap_flexdemo(trainer.optimizer).managed.step,
         "epoch": trainer.state.epoch,
+        "samples_per_step": [
+            (h["step"], h["flexdemo/samples_per_step"]) for h in trainer.state.log_history if "loss" in h
+        ],
     }
     (out / f"result_rank{rank}.json").write_text(json.dumps(result))
     print_summary(trainer, {}, ())
