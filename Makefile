@@ -33,7 +33,7 @@ demo: $(STAMP)
 		training_scripts/train_t5.py --preset offline
 
 test: test-lowest $(STAMP)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=10
 
 test-unit: $(STAMP)
 	$(PYTHON) -m pytest -q -m unit
