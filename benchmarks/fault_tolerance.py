@@ -51,12 +51,12 @@ def free_port() -> int:
 class Launch:
     """One `accelerate launch` whose logged steps are timestamped as they arrive."""
 
-    def __init__(self, config: Path, output_dir: Path, steps: int, env: dict[str, str], optim_args: str):
+    def __init__(self, config: Path, output_dir: Path, steps: int, env: dict[str, str], optim_args: str, extra=()):
         args = [
             "--preset", "offline", "--max_steps", str(steps), "--logging_steps", "1", "--save_strategy", "no",
             "--eval_strategy", "no", "--max_eval_samples", "8", "--generation_max_length", "8",
             "--report_to", "none", "--output_dir", str(output_dir), "--optim_args", optim_args,
-            "--learning_rate", "2e-3",
+            "--learning_rate", "2e-3", *extra,
         ]  # fmt: skip
         cmd = [
             sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),

@@ -13,7 +13,7 @@ Measured: samples committed per step before and after the join (the logged
 ``flexdemo/samples_per_step``), how long node 2 took from its start to its first step in the
 quorum, the final evaluation loss of each run, and whether the nodes saved identical models.
 
-    .venv/bin/python benchmarks/scale_up.py --out benchmarks/results/scale_up.json
+    .venv/bin/python benchmarks/scale_up.py --seeds 1 2 3 --out benchmarks/results/scale_up.json
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ def samples_per_step(launch: Launch) -> list[tuple[int, int]]:
     return [(int(s["flexdemo/committed_steps"]), int(s["flexdemo/samples_per_step"])) for _, s in launch.steps]
 
 
-def two_nodes(work: Path, steps: int) -> dict:
+def two_nodes(work: Path, steps: int, extra: list[str]) -> dict:
     lighthouse = Lighthouse(2000, work / "lighthouse_two.log")
     out = work / "two"
     try:
-        nodes = [Launch(FT_CONFIG, out, steps, node_env(lighthouse, n, 2), OPTIM_ARGS) for n in (0, 1)]
+        nodes = [Launch(FT_CONFIG, out, steps, node_env(lighthouse, n, 2), OPTIM_ARGS, extra) for n in (0, 1)]
         for node in nodes:
             node.wait()
     finally:
@@ -64,16 +64,16 @@ def two_nodes(work: Path, steps: int) -> dict:
     }
 
 
-def join(work: Path, steps: int, join_at: int) -> dict:
+def join(work: Path, steps: int, join_at: int, extra: list[str]) -> dict:
     lighthouse = Lighthouse(2000, work / "lighthouse_join.log")
     out = work / "join"
     try:
-        nodes = [Launch(FT_CONFIG, out, steps, node_env(lighthouse, n, 3), OPTIM_ARGS) for n in (0, 1)]
+        nodes = [Launch(FT_CONFIG, out, steps, node_env(lighthouse, n, 3), OPTIM_ARGS, extra) for n in (0, 1)]
         while nodes[0].committed() < join_at:
             if nodes[0].proc.poll() is not None:
                 raise RuntimeError("node 0 ended before the join:\n" + "".join(nodes[0].tail))
             time.sleep(0.05)
-        nodes.append(Launch(FT_CONFIG, out, steps, node_env(lighthouse, 2, 3), OPTIM_ARGS))
+        nodes.append(Launch(FT_CONFIG, out, steps, node_env(lighthouse, 2, 3), OPTIM_ARGS, extra))
         for node in nodes:
             node.wait()
     finally:
@@ -93,29 +93,78 @@ def rates(points: list[tuple[int, int]], join_at: int) -> tuple[float, float]:
     return statistics.median(before), statistics.median(after)
 
 
+def summarize(runs: dict[str, dict], join_at: int) -> dict:
+    """Per seed and over the seeds: samples per step around the join, the final loss of each run."""
+    per_seed = {}
+    for seed, run in runs.items():
+        before, after = rates(run["join"]["samples_per_step"], join_at)
+        per_seed[seed] = {
+            "samples_ratio": after / before,
+            "samples_per_step": [before, after],
+            "node2_start_to_first_quorum_s": run["join"]["join_s"],
+            "eval_loss_two_nodes": run["two"]["eval_loss"],
+            "eval_loss_with_join": run["join"]["eval_loss"],
+            "identical_models": run["two"]["identical"] and run["join"]["identical"],
+        }
+    mean = lambda key: statistics.mean(seed[key] for seed in per_seed.values())  # noqa: E731
+    return {
+        "seeds": per_seed,
+        "mean_eval_loss_two_nodes": mean("eval_loss_two_nodes"),
+        "mean_eval_loss_with_join": mean("eval_loss_with_join"),
+        "joined_at_or_below_two_nodes": sum(
+            s["eval_loss_with_join"] <= s["eval_loss_two_nodes"] for s in per_seed.values()
+        ),
+    }
+
+
+def plot(runs: dict[str, dict], join_at: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = runs[min(runs)]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, label in (("two", "2 nodes throughout"), ("join", "node 2 started during the run")):
+        points = run[name]["samples_per_step"]
+        ax.step([step for step, _ in points], [value for _, value in points], where="post", label=label)
+    ax.axvline(join_at, color="green", linestyle=":", label=f"node 2 started (step {join_at})")
+    ax.set_xlabel("steps committed by the quorum")
+    ax.set_ylabel("samples per step, all nodes")
+    ax.set_ylim(bottom=0)
+    ax.set_title("A node joins a running job (T5 offline, nodes of 2 processes, CPU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--join-at", type=int, default=50, help="node 2 starts once this many steps are committed")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "scale_up.json")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        runs = {"two": two_nodes(work, args.steps), "join": join(work, args.steps, args.join_at)}
-    before, after = rates(runs["join"]["samples_per_step"], args.join_at)
-    summary = {
-        "samples_per_step_before_join": before,
-        "samples_per_step_after_join": after,
-        "samples_ratio": after / before,
-        "node2_start_to_first_quorum_s": runs["join"]["join_s"],
-        "eval_loss_two_nodes": runs["two"]["eval_loss"],
-        "eval_loss_with_join": runs["join"]["eval_loss"],
-        "identical_models": {name: run["identical"] for name, run in runs.items()},
-    }
+    settings = {"steps": args.steps, "join_at": args.join_at, "optim_args": OPTIM_ARGS, "eval": args.eval_samples}
+    recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
+    runs = recorded.get("runs", {}) if recorded.get("settings") == settings else {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"steps": args.steps, "join_at": args.join_at, "optim_args": OPTIM_ARGS}
-    args.out.write_text(json.dumps({"settings": settings, "summary": summary, "runs": runs}, indent=1))
-    print(json.dumps(summary, indent=1))
+    for seed in args.seeds:
+        if str(seed) in runs:  # resumable: a finished seed is kept
+            continue
+        extra = ["--seed", str(seed), "--max_eval_samples", str(args.eval_samples)]
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            runs[str(seed)] = {
+                "two": two_nodes(work, args.steps, extra),
+                "join": join(work, args.steps, args.join_at, extra),
+            }
+        summary = summarize(runs, args.join_at)
+        args.out.write_text(json.dumps({"settings": settings, "summary": summary, "runs": runs}, indent=1))
+        print(json.dumps(summary["seeds"][str(seed)]), flush=True)
+    plot(runs, args.join_at, args.out.with_suffix(".png"))
+    print(json.dumps(summarize(runs, args.join_at), indent=1))
 
 
 if __name__ == "__main__":
