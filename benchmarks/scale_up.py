@@ -78,7 +78,9 @@ def join(work: Path, steps: int, join_at: int, extra: list[str]) -> dict:
             node.wait()
     finally:
         lighthouse.stop()
-    first_in = next(t for t, s in nodes[2].steps if s.get("flexdemo/live_replicas") == 3)
+    first_in = next((t for t, s in nodes[2].steps if s.get("flexdemo/live_replicas") == 3), None)
+    if first_in is None:
+        raise RuntimeError("node 2 never trained in a quorum of 3:\n" + "".join(nodes[2].tail))
     return {
         "eval_loss": final_eval_loss(out, 0),
         "identical": same_models(out, 3),
@@ -87,17 +89,20 @@ def join(work: Path, steps: int, join_at: int, extra: list[str]) -> dict:
     }
 
 
-def rates(points: list[tuple[int, int]], join_at: int) -> tuple[float, float]:
-    before = [value for step, value in points if 5 <= step < join_at]
-    after = [value for step, value in points if step > join_at + 10]
-    return statistics.median(before), statistics.median(after)
+def rates(points: list[tuple[int, int]]) -> tuple[float, float]:
+    """Samples per step before node 2's first step in the quorum (the rise), and from it on."""
+    values = [value for _, value in points]
+    joined = values.index(max(values))
+    if not 0 < joined < len(values):
+        raise ValueError(f"samples per step never rose: {values}")
+    return statistics.median(values[:joined]), statistics.median(values[joined:])
 
 
-def summarize(runs: dict[str, dict], join_at: int) -> dict:
+def summarize(runs: dict[str, dict]) -> dict:
     """Per seed and over the seeds: samples per step around the join, the final loss of each run."""
     per_seed = {}
     for seed, run in runs.items():
-        before, after = rates(run["join"]["samples_per_step"], join_at)
+        before, after = rates(run["join"]["samples_per_step"])
         per_seed[seed] = {
             "samples_ratio": after / before,
             "samples_per_step": [before, after],
@@ -145,9 +150,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--eval-samples", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "scale_up.json")
+    parser.add_argument("--summarize", action="store_true", help="recompute the summary and plot of --out only")
     args = parser.parse_args()
     settings = {"steps": args.steps, "join_at": args.join_at, "optim_args": OPTIM_ARGS, "eval": args.eval_samples}
     recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if args.summarize:
+        settings, args.seeds, args.join_at = recorded["settings"], [], recorded["settings"]["join_at"]
     runs = recorded.get("runs", {}) if recorded.get("settings") == settings else {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for seed in args.seeds:
@@ -160,11 +168,13 @@ def main() -> None:
                 "two": two_nodes(work, args.steps, extra),
                 "join": join(work, args.steps, args.join_at, extra),
             }
-        summary = summarize(runs, args.join_at)
+        summary = summarize(runs)
         args.out.write_text(json.dumps({"settings": settings, "summary": summary, "runs": runs}, indent=1))
         print(json.dumps(summary["seeds"][str(seed)]), flush=True)
     plot(runs, args.join_at, args.out.with_suffix(".png"))
-    print(json.dumps(summarize(runs, args.join_at), indent=1))
+    summary = summarize(runs)
+    args.out.write_text(json.dumps({"settings": settings, "summary": summary, "runs": runs}, indent=1))
+    print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

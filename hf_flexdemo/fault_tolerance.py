@@ -25,6 +25,7 @@ torchft is imported only when a :class:`ManagedReplicas` is built, never on the 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -184,8 +185,8 @@ class ManagedReplicas:
         self._settled = False  # whether this node has committed a step (then it holds the job's state)
         self.membership: list[tuple[int, tuple[str, ...]]] = []
         """``(committed steps, nodes)`` at each change of the quorum's nodes this node saw, oldest first."""
-        self.node_steps = 0
-        """Sum over the steps this node committed of the quorum's size: the job's committed work, in node-steps."""
+        self.committed_node_steps = 0
+        """Sum of the quorum's size over the steps this node committed since this process started."""
         logger.info(
             "FlexDeMo fault tolerance: %s (rank %d of %d) joined the Lighthouse at %s; min_replicas=%d.",
             self.identity.name,
@@ -307,14 +308,10 @@ class ManagedReplicas:
         members = self._quorum.members
         if members == previous:
             return
-        self.membership.append((self.manager.current_step(), members))
+        self.membership.append((self.manager.current_step(), members))  # also on the ranks that do not say it
         undone, self._undone = self._undone, 0
         if not previous or self._rank != 0:
             return
-        left = [node for node in previous if node not in members]
-        joined = [node for node in members if node not in previous]
-        moves = [f"{', '.join(left)} left"] if left else []
-        moves += [f"{', '.join(joined)} joined"] if joined else []
         size = "shrinks" if len(members) < len(previous) else "grows" if len(members) > len(previous) else "changes"
         logger.warning(
             "FlexDeMo fault tolerance: %s: the quorum %s from %d to %d live nodes (%s; now %s) at %d committed "
@@ -323,7 +320,7 @@ class ManagedReplicas:
             size,
             len(previous),
             len(members),
-            ", ".join(moves),
+            quorum_moves(previous, members),
             ", ".join(members),
             self.manager.current_step(),
             undone,
@@ -387,7 +384,7 @@ class ManagedReplicas:
         if committed:
             self._uncommitted = 0
             self._settled = True
-            self.node_steps += live
+            self.committed_node_steps += live
             return True
         self._uncommitted += 1
         self._undone += 1
@@ -433,13 +430,11 @@ class ManagedReplicas:
         """How the quorum grew and shrank while this node was in it, in one line."""
         if not self.membership:
             return "no quorum met"
-        (step, nodes), *changes = self.membership
-        parts = [f"{len(nodes)} node(s) ({', '.join(nodes)}) at step {step}"]
-        for (step, nodes), (_, before) in zip(changes, self.membership):
-            moves = [f"{', '.join(n for n in before if n not in nodes)} left"] if set(before) - set(nodes) else []
-            moves += [f"{', '.join(n for n in nodes if n not in before)} joined"] if set(nodes) - set(before) else []
-            way = "grew" if len(nodes) > len(before) else "shrank" if len(nodes) < len(before) else "changed"
-            parts.append(f"{way} to {len(nodes)} at step {step} ({'; '.join(moves)})")
+        step, nodes = self.membership[0]
+        parts = [f"{len(nodes)} node(s) ({', '.join(nodes)}) after {step} committed steps"]
+        for (_, before), (step, nodes) in itertools.pairwise(self.membership):
+            size = "grew" if len(nodes) > len(before) else "shrank" if len(nodes) < len(before) else "changed"
+            parts.append(f"{size} to {len(nodes)} after {step} ({quorum_moves(before, nodes)})")
         return "; ".join(parts)
 
     def report(self, error: Exception) -> None:
@@ -502,6 +497,15 @@ class ManagedReplicas:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def quorum_moves(before: tuple[str, ...], after: tuple[str, ...]) -> str:
+    """Who left and who joined between two quorums, e.g. ``node1 left; node2, node3 joined``."""
+    left = [node for node in before if node not in after]
+    joined = [node for node in after if node not in before]
+    moves = [f"{', '.join(left)} left"] if left else []
+    moves += [f"{', '.join(joined)} joined"] if joined else []
+    return "; ".join(moves)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -232,12 +232,14 @@ def test_a_distributed_checkpoint_failure_on_any_rank_is_recognised():
         raise failure
 
 
-def test_a_short_write_is_a_storage_failure_and_a_full_disk_when_the_disk_is_full(tmp_path):
+@pytest.mark.parametrize("full", [False, True])
+def test_a_short_write_is_a_storage_failure_and_a_full_disk_when_the_disk_is_full(tmp_path, monkeypatch, full):
+    monkeypatch.setattr(checkpoints_module, "_disk_is_full", lambda path: full)
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-    assert storage_cause(short, tmp_path) == (
-        "a write came up short (inline_container.cc:672] . unexpected pos 704 vs 598)"
-    )
-    with pytest.raises(CheckpointStorageError, match="a write came up short"), storage_errors(tmp_path):
+    said = "the disk is full (a write came up short: " if full else "a write came up short ("
+    assert storage_cause(short, tmp_path) == said + "inline_container.cc:672] . unexpected pos 704 vs 598)"
+    fix = "Free space" if full else "Check that disk"
+    with pytest.raises(CheckpointStorageError, match=fix), storage_errors(tmp_path):
         raise short
 
 
@@ -259,7 +261,10 @@ def test_every_way_a_distributed_checkpoint_fails_on_a_full_disk_says_the_disk_i
             pytest.skip("mounting a small tmpfs needs root and mount(8)")
         for free in range(0, 40_000, 1_000):  # every point at which the disk can run out
             for leftover in disk.iterdir():
-                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+                if leftover.is_dir():
+                    shutil.rmtree(leftover)
+                else:
+                    leftover.unlink()
             space = os.statvfs(disk)
             (disk / "filler").write_bytes(b"x" * (space.f_bavail * space.f_frsize - free))
             try:
@@ -267,6 +272,8 @@ def test_every_way_a_distributed_checkpoint_fails_on_a_full_disk_says_the_disk_i
             except BaseException as error:  # DCP's CheckpointException is a BaseException
                 sent = pickle.loads(pickle.dumps(error))  # as a peer receives it
                 short_writes += any("unexpected pos" in str(e) for e in _chain(sent))
-                causes.add(storage_cause(sent, disk).split(" (")[0])
+                cause = storage_cause(sent, disk)
+                assert cause is not None, f"not recognised as a storage failure: {sent!r}"
+                causes.add(cause.split(" (")[0])
     assert causes == {"the disk is full"}
     assert short_writes, "no failure took the short-write path: the test no longer covers it"

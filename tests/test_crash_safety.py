@@ -97,7 +97,7 @@ def test_workers_killed_during_saves_restart_on_every_node_and_end_bitwise_equal
     # Rank 0 chose once per new round: at least once per kill (a node whose workers lost their
     # peers may fail too and start one more round).
     assert len(decisions) >= 2, decisions
-    # Restarted twice from its checkpoints, the run is the uninterrupted one; so a plain rerun with the seed is too.
+    # Fresh from the seed up to the first kill, then resumed twice: bit for bit the uninterrupted run.
     same_run_bitwise(tmp_path, uninterrupted)
     assert all(incomplete_reason(folder) is None for _, folder in checkpoints(tmp_path))
 

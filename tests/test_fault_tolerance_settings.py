@@ -163,7 +163,7 @@ def test_the_summary_tells_how_the_quorum_grew_and_shrank():
         ]
     )
     assert ManagedReplicas.membership_story(seen) == (
-        "2 node(s) (node0, node1) at step 0; grew to 3 at step 51 (node2 joined); "
-        "shrank to 2 at step 120 (node1 left); grew to 3 at step 130 (node2 left; node1, node3 joined)"
+        "2 node(s) (node0, node1) after 0 committed steps; grew to 3 after 51 (node2 joined); "
+        "shrank to 2 after 120 (node1 left); grew to 3 after 130 (node2 left; node1, node3 joined)"
     )
     assert ManagedReplicas.membership_story(SimpleNamespace(membership=[])) == "no quorum met"

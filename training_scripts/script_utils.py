@@ -395,7 +395,7 @@ def print_summary(trainer: Trainer, metrics: dict[str, float], headline: Sequenc
         )
     else:
         print(f"   inter-node bytes sent by {node} (dense all-reduce): {_bytes(figures['dense'])}")
-    replicas = unwrap_flexdemo(trainer.optimizer).managed if is_flexdemo(trainer.args) else None
+    replicas = getattr(unwrap_flexdemo(trainer.optimizer), "managed", None)  # None: not FlexDeMo, or no optimizer
     if replicas is not None:
         print(f"   quorum of live nodes: {replicas.membership_story()}")
 

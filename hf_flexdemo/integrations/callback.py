@@ -16,7 +16,8 @@
   ``flexdemo/compression_ratio``; with fault tolerance also ``flexdemo/live_replicas`` (the
   last quorum's nodes), ``flexdemo/committed_steps`` (steps the quorum committed),
   ``flexdemo/samples_per_step`` (samples the last quorum's step trained on, over all its
-  nodes: it rises as nodes join) and ``flexdemo/committed_samples`` (the job's, since this node joined).
+  nodes: it rises as nodes join) and ``flexdemo/committed_samples`` (samples of every node in
+  the steps this node committed since its process started).
 - **Checks replicas** at every logging step (and every ``check_every`` steps, if set):
   replicas that should hold the same parameters are compared by checksum, and training
   stops with an error if they drifted.
@@ -195,6 +196,6 @@ class FlexDeMoCallback(TrainerCallback):
             figures["flexdemo/live_replicas"] = replicas.topology().size
             figures["flexdemo/committed_steps"] = replicas.step
             figures["flexdemo/samples_per_step"] = replicas.topology().size * self._node_samples
-            figures["flexdemo/committed_samples"] = replicas.node_steps * self._node_samples
+            figures["flexdemo/committed_samples"] = replicas.committed_node_steps * self._node_samples
         self.figures = figures
         return figures

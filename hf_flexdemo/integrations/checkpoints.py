@@ -53,6 +53,7 @@ STORAGE_TEXTS = {  # the same causes where only a message survives (torch's C++ 
 # torch's zip writer says only this when a write came up short; the errno is lost (DCP pickles each
 # rank's failure without its context), so the output directory's free space tells whether it was full.
 SHORT_WRITE = re.compile(r"inline_container\.cc:\d+\] \. unexpected pos \d+ vs \d+")
+SHORT = "a write came up short"
 FULL_BELOW = 64 * 2**20  # bytes free under which a disk counts as full (or 1% of it, if less)
 
 
@@ -325,9 +326,14 @@ def storage_errors(run_dir: str | os.PathLike):
             cleaned = f"; the incomplete {', '.join(left)} is removed when you resume" if left else ""
         newest = newest_complete(run_dir)
         kept = f"the newest complete checkpoint, {newest}, is whole" if newest else "no checkpoint was complete yet"
+        fix = (
+            "Check that disk (space, quota, I/O errors)"
+            if cause.startswith(SHORT)
+            else "Free space (or fix the rights)"
+        )
         raise CheckpointStorageError(
             f"Writing to {run_dir.resolve()} failed on rank {_rank()}: {cause}. Nothing complete was lost: "
-            f"{kept}{cleaned}. Free space (or fix the rights), then resume with --resume_from_checkpoint auto.",
+            f"{kept}{cleaned}. {fix}, then resume with --resume_from_checkpoint auto.",
             cause,
             every_rank,
         ) from None
@@ -366,8 +372,8 @@ def storage_cause(error: BaseException, run_dir: str | os.PathLike | None = None
     if short_write is None:
         return None
     if run_dir is not None and _disk_is_full(Path(run_dir)):
-        return f"the disk is full (a write came up short: {short_write.group(0)})"
-    return f"a write came up short ({short_write.group(0)})"
+        return f"the disk is full ({SHORT}: {short_write.group(0)})"
+    return f"{SHORT} ({short_write.group(0)})"
 
 
 def _disk_is_full(path: Path) -> bool:

@@ -14,8 +14,9 @@ exchange, before its payload is out: the other nodes are in the collective waiti
 ``--corrupt_at N`` (test only): at step N this node changes one parameter entry on its own.
 ``--die_while_serving_after N`` (test only): from step N on, the first node asked for the
 live state by a healing peer dies right then.
-``--slow_while PATH`` (test only): each step takes a second more while PATH exists, so that
-a relaunched peer, however long it takes to start, finds this node still training.
+``--slow_while PATH`` (test only): each step takes ``--slow_step_s`` seconds more (1) while PATH
+exists, so that a late or relaunched peer, taking up to that many seconds per remaining step to
+start, finds this node still training.
 ``--record_samples`` (test only): ``samples_rank<N>.jsonl`` gets one line per batch drawn, the
 hashes of its samples, so that a test can tell which node read what.
 """
@@ -56,6 +57,7 @@ class WorkerArgs:
     die_while_serving_after: int = 0
     corrupt_at: int = 0
     slow_while: str = ""
+    slow_step_s: float = 1.0
     record_samples: bool = False
     train_rows: int = 256
 
@@ -72,9 +74,9 @@ def recording(collate, path: Path):
 
 
 class Progress(TrainerCallback):
-    def __init__(self, path: Path, delay: float, corrupt_at: int = 0, slow_while: str = ""):
+    def __init__(self, path: Path, delay: float, corrupt_at: int = 0, slow_while: str = "", slow_step_s: float = 1.0):
         self.path, self.delay, self.corrupt_at = path, delay, corrupt_at
-        self.slow_while = Path(slow_while) if slow_while else None
+        self.slow_while, self.slow_step_s = (Path(slow_while) if slow_while else None), slow_step_s
 
     def on_optimizer_step(self, args, state, control, model=None, **kw):
         if self.corrupt_at and state.global_step + 1 >= self.corrupt_at:  # one bit of drift, behind the quorum's back
@@ -94,7 +96,7 @@ class Progress(TrainerCallback):
         if self.delay:
             time.sleep(self.delay)
         if self.slow_while is not None and self.slow_while.exists():
-            time.sleep(1.0)
+            time.sleep(self.slow_step_s)
 
 
 def kill_node_in_exchange(trainer: Trainer, at_step: int) -> None:
@@ -148,7 +150,9 @@ def main() -> None:
     rank = dist.get_rank()
     if worker.record_samples:
         trainer.data_collator = recording(default_data_collator, out / f"samples_rank{rank}.jsonl")
-    progress = Progress(out / f"progress_rank{rank}.jsonl", worker.step_delay, worker.corrupt_at, worker.slow_while)
+    progress = Progress(
+        out / f"progress_rank{rank}.jsonl", worker.step_delay, worker.corrupt_at, worker.slow_while, worker.slow_step_s
+    )
     trainer.add_callback(progress)
     if worker.kill_node_in_exchange_at:
         kill_node_in_exchange(trainer, worker.kill_node_in_exchange_at)

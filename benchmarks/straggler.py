@@ -1,0 +1,118 @@
+"""How much one slow node slows a fault-tolerant job today: the baseline for issue 26's stragglers.
+
+Three nodes of 2 processes (`accelerate launch --config_file accelerate_configs/cpu_ft_node.yaml
+training_scripts/train_t5.py --preset offline`, ``fault_tolerance=torchft``, a real
+``torchft_lighthouse``). In the **straggler** run, node 2's processes are really slowed: from
+``--slow-from`` committed steps, for ``--slow-steps`` steps, they are cycled through SIGSTOP and
+SIGCONT so that they run a third of the time (``--duty``). The **even** run is the same job,
+nobody slowed. Measured: node 0's steps per second over the same committed steps in both runs.
+
+    .venv/bin/python benchmarks/straggler.py --out benchmarks/results/straggler.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+from fault_tolerance import FT_CONFIG, Launch, Lighthouse
+
+OPTIM_ARGS = "fault_tolerance=torchft,ft_timeout=60,quorum_timeout=120"
+CYCLE_S = 0.3  # one SIGCONT/SIGSTOP period
+
+
+def node_env(lighthouse: Lighthouse, node: int) -> dict[str, str]:
+    return {"TORCHFT_LIGHTHOUSE": lighthouse.address, "REPLICA_GROUP_ID": str(node), "NUM_REPLICA_GROUPS": "3"}
+
+
+def slow_down(launch: Launch, duty: float, until: threading.Event) -> None:
+    """Let the node's processes (launcher and workers) run ``duty`` of the time until ``until`` is set."""
+    launcher = psutil.Process(launch.proc.pid)
+    processes = [launcher, *launcher.children(recursive=True)]
+
+    def send(sig) -> None:
+        for process in processes:
+            try:
+                process.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+
+    try:
+        while not until.is_set():
+            send(signal.SIGCONT)
+            time.sleep(CYCLE_S * duty)
+            send(signal.SIGSTOP)
+            time.sleep(CYCLE_S * (1 - duty))
+    finally:
+        send(signal.SIGCONT)
+
+
+def rate(launch: Launch, first: int, last: int) -> float:
+    """Steps per second of ``launch`` between committed steps ``first`` and ``last``."""
+    committed = [(t, s["flexdemo/committed_steps"]) for t, s in launch.steps]
+    points = [(t, step) for t, step in committed if first <= step <= last]
+    (t0, c0), (t1, c1) = points[0], points[-1]
+    return (c1 - c0) / (t1 - t0)
+
+
+def run(work: Path, steps: int, slow_from: int, slow_steps: int, duty: float | None) -> dict:
+    lighthouse = Lighthouse(2000, work / "lighthouse.log")
+    out = work / ("straggler" if duty else "even")
+    stop = threading.Event()
+    try:
+        nodes = [Launch(FT_CONFIG, out, steps, node_env(lighthouse, n), OPTIM_ARGS) for n in range(3)]
+        while nodes[0].committed() < slow_from:
+            if nodes[0].proc.poll() is not None:
+                raise RuntimeError("node 0 ended early:\n" + "".join(nodes[0].tail))
+            time.sleep(0.05)
+        slower = threading.Thread(target=slow_down, args=(nodes[2], duty, stop), daemon=True) if duty else None
+        if slower:
+            slower.start()
+        while nodes[0].committed() < slow_from + slow_steps and nodes[0].proc.poll() is None:
+            time.sleep(0.05)
+        stop.set()
+        if slower:
+            slower.join()
+        for node in nodes:
+            node.wait()
+    finally:
+        stop.set()
+        lighthouse.stop()
+    window = (slow_from, slow_from + slow_steps)
+    return {
+        "node0_steps_per_s": rate(nodes[0], *window),
+        "node1_steps_per_s": rate(nodes[1], *window),
+        "live_replicas": sorted({s["flexdemo/live_replicas"] for _, s in nodes[0].steps}),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=70)
+    parser.add_argument("--slow-from", type=int, default=20)
+    parser.add_argument("--slow-steps", type=int, default=30)
+    parser.add_argument("--duty", type=float, default=1 / 3, help="share of the time the slow node runs")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "straggler.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        even = run(Path(tmp), args.steps, args.slow_from, args.slow_steps, None)
+        straggler = run(Path(tmp), args.steps, args.slow_from, args.slow_steps, args.duty)
+    summary = {
+        "even": even,
+        "straggler": straggler,
+        "node0_rate_with_straggler_vs_even": straggler["node0_steps_per_s"] / even["node0_steps_per_s"],
+    }
+    settings = {key: value for key, value in vars(args).items() if key != "out"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"settings": settings, "summary": summary}, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
