@@ -8,6 +8,7 @@ group SIGKILLed (launcher and workers), as when a machine disappears.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -51,6 +52,18 @@ def ft_args(extra: str = "", timeout: float = FT_TIMEOUT_S, quorum_timeout: floa
 @pytest.fixture
 def lighthouse(tmp_path):
     house = Lighthouse(tmp_path / "lighthouse.log")
+    yield house
+    house.stop()
+
+
+@pytest.fixture
+def patient_lighthouse(tmp_path):
+    """For three nodes, two of them slowed (LATE_NODE_WAIT) while the third arrives at any moment of their step.
+
+    Two of three form a quorum, so with the 2 s join timeout a slowed node would be left out of the
+    newcomer's first quorums and heal; waiting longer than a slowed step keeps the two together.
+    """
+    house = Lighthouse(tmp_path / "lighthouse.log", join_timeout_ms=10_000)
     yield house
     house.stop()
 
@@ -99,7 +112,8 @@ def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, sc
     nodes = nodes_of(2, lighthouse, tmp_path, *flags, extra={0: ("--slow_while", str(slow))})
     for node in nodes:
         node.start()
-    wait_until(lambda: nodes[1].step() >= 8, 180, "both nodes to train", running=nodes)
+    # Both must have committed a step together: a node that started late (load) may not hold the job's state yet.
+    wait_until(lambda: nodes[1].step() >= 8 and committed_together(nodes), 180, "both nodes to train", running=nodes)
     slow.touch()  # the survivor still trains when the relaunch returns
     killed_at = nodes[1].kill()
     # Relaunch once the survivor trains alone: on an idle machine a relaunch can rejoin before it shrinks.
@@ -137,14 +151,14 @@ def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, sc
 
 
 @pytest.mark.faults
-def test_a_node_started_mid_run_heals_once_reads_its_own_data_and_the_job_grows(lighthouse, tmp_path):
+def test_a_node_started_mid_run_heals_once_reads_its_own_data_and_the_job_grows(patient_lighthouse, tmp_path):
     """NUM_REPLICA_GROUPS=3 declares the job's most nodes; nodes 0 and 1 start, node 2 joins later."""
     rows = 1200  # 400 a node: 100 steps of 4 before a node sees its share twice
     flags = [*TINY, "--max_steps", "40", "--step_delay", "0.05", "--logging_steps", "2", "--record_samples"]
     flags += ["--train_rows", str(rows), *ft_args()]
     slow = tmp_path / "slow_until_node2_trains"  # the others still train when node 2 arrives
     slow_nodes = ("--slow_while", str(slow), *LATE_NODE_WAIT)
-    nodes = nodes_of(3, lighthouse, tmp_path, *flags, processes=1, extra={0: slow_nodes, 1: slow_nodes})
+    nodes = nodes_of(3, patient_lighthouse, tmp_path, *flags, processes=1, extra={0: slow_nodes, 1: slow_nodes})
     third_joins_two(nodes, slow)
     wait_until(lambda: nodes[2].step() > 0, 180, "node 2 to train", running=nodes)
     slow.unlink()
@@ -171,11 +185,20 @@ def test_a_node_started_mid_run_heals_once_reads_its_own_data_and_the_job_grows(
 
     data = dataset("olmo2", tokenizer(), rows=rows)
     for node in nodes:
-        identity = NodeIdentity(lighthouse.address, node.index, 3)
+        identity = NodeIdentity(patient_lighthouse.address, node.index, 3)
         share = {sample_hash(ids) for ids in split_by_node(data, identity)["input_ids"]}
         lines = (node.dir / "samples_rank0.jsonl").read_text().splitlines()
         read = [h for line in lines for h in json.loads(line)]
         assert read and set(read) <= share, f"node{node.index} read samples outside its share"
+
+
+def committed_together(nodes: list[Node]) -> bool:
+    """Every node of ``nodes`` has committed a step in a quorum of them all."""
+    size = len(nodes)
+    return all(
+        any(p["replicas"] == size and p["committed"] > q["committed"] for q, p in itertools.pairwise(node.progress()))
+        for node in nodes
+    )
 
 
 def third_joins_two(nodes: list[Node], slow) -> None:
@@ -183,8 +206,7 @@ def third_joins_two(nodes: list[Node], slow) -> None:
     slow.touch()
     nodes[0].start()
     nodes[1].start()
-    together = lambda: all(any(p["replicas"] == 2 for p in node.progress()) for node in nodes[:2])  # noqa: E731
-    wait_until(together, 180, "nodes 0 and 1 to train together", running=nodes[:2])
+    wait_until(lambda: committed_together(nodes[:2]), 180, "nodes 0 and 1 to train together", running=nodes[:2])
     nodes[2].start()
 
 
@@ -218,7 +240,7 @@ def a_finished_job_is_not_started_over(node: Node) -> None:
 
 @pytest.mark.faults
 @pytest.mark.parametrize("scheme", ALL_SCHEMES)
-def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(lighthouse, tmp_path, scheme):
+def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(patient_lighthouse, tmp_path, scheme):
     """Three single-process nodes; node 2 dies inside a collective of a step all three joined (step 10 on).
 
     Node 2 starts once nodes 0 and 1 train together, so that each survivor has a record of the
@@ -231,7 +253,7 @@ def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(lighthouse, tm
     slow = tmp_path / "slow_until_node2_died"  # the others still train when node 2 arrives
     slow_nodes = ("--slow_while", str(slow), *LATE_NODE_WAIT)
     extra_flags = {0: slow_nodes, 1: slow_nodes, 2: ("--kill_node_in_exchange_at", "10")}
-    nodes = nodes_of(3, lighthouse, tmp_path, *flags, processes=1, extra=extra_flags)
+    nodes = nodes_of(3, patient_lighthouse, tmp_path, *flags, processes=1, extra=extra_flags)
     third_joins_two(nodes, slow)
     assert nodes[2].wait(180) != 0  # it killed itself
     slow.unlink()
@@ -253,12 +275,12 @@ def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(lighthouse, tm
 
 
 @pytest.mark.faults
-def test_a_node_dying_while_it_serves_recovery_does_not_take_the_healing_node_down(lighthouse, tmp_path):
+def test_a_node_dying_while_it_serves_recovery_does_not_take_the_healing_node_down(patient_lighthouse, tmp_path):
     """Node 2 starts late; the first of nodes 0 and 1 it asks for the live state dies; it heals from the other."""
     flags = [*TINY, "--max_steps", "60", "--step_delay", "0.1", *ft_args()]
     slow = tmp_path / "slow_until_node2_trains"  # the others still train when node 2 arrives
     serve_and_die = ("--die_while_serving_after", "5", "--slow_while", str(slow), *LATE_NODE_WAIT)
-    nodes = nodes_of(3, lighthouse, tmp_path, *flags, processes=1, extra={0: serve_and_die, 1: serve_and_die})
+    nodes = nodes_of(3, patient_lighthouse, tmp_path, *flags, processes=1, extra={0: serve_and_die, 1: serve_and_die})
     nodes[0].start()
     nodes[1].start()
     wait_until(lambda: min(nodes[0].step(), nodes[1].step()) >= 6, 180, "nodes 0 and 1 to train")

@@ -93,6 +93,10 @@ class Progress(TrainerCallback):
         }
         with self.path.open("a") as f:
             f.write(json.dumps(line) + "\n")
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        # Slow inside the step, once its quorum is joined: the peers wait in the exchange (up to ft_timeout). Slowed
+        # between steps instead, a node would miss quorums whenever it is later than the Lighthouse's join timeout.
         if self.delay:
             time.sleep(self.delay)
         if self.slow_while is not None and self.slow_while.exists():
