@@ -361,15 +361,15 @@ def storage_cause(error: BaseException, run_dir: str | os.PathLike | None = None
     A write that came up short, with no reason left, is put down to ``run_dir``'s disk when that
     disk is full now; otherwise it is still a storage failure, said as it is.
     """
-    short_write = None
+    short_write = False
     for current in _chain(error):
         if isinstance(current, OSError) and current.errno in STORAGE_ERRNOS:
             return f"{STORAGE_ERRNOS[current.errno]} ({current.strerror})"
         for text, cause in STORAGE_TEXTS.items():
             if text in str(current):
                 return f"{cause} ({text})"
-        short_write = short_write or SHORT_WRITE.search(str(current))
-    if short_write is None:
+        short_write = short_write or SHORT_WRITE.search(str(current)) is not None
+    if not short_write:
         return None
     # torch's own words ("inline_container.cc ... unexpected pos") say nothing to a user: left out.
     if run_dir is not None and _disk_is_full(Path(run_dir)):
