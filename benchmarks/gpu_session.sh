@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything the GPU figures of BENCHMARKS.md need, in one run of the `device` tool (under 8 minutes on
-# an H100), figures written under $OUT. The machine has torch, transformers and accelerate but lacks
+# an H100 or H200), figures written under $OUT. The machine has torch, transformers and accelerate but lacks
 # datasets, evaluate and a few small packages, and cannot download: fetch their wheels here first
 # (the command is in ../shared/NOTES.md, into .whl/, kept out of git) and pass `carry: [".whl"]`.
 #
 #   device run: bash benchmarks/gpu_session.sh
 set -uo pipefail
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 SITE=$(mktemp -d)
@@ -19,9 +20,16 @@ pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log
   python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
 } >"$OUT/device.txt" 2>&1
 
-# The optimizer step: OLMo2-1B's and T5-small's shapes, bf16, against fused AdamW; state and peak memory.
-timeout 240 python benchmarks/gpu_step.py --model olmo2-1b --steps 3 --repeats 5 >"$OUT/gpu_step_olmo2.txt" 2>&1
-timeout 60 python benchmarks/gpu_step.py --model t5-small >"$OUT/gpu_step_t5.txt" 2>&1
+# The optimizer step: OLMo2-1B's and T5-small's shapes, bf16, against fused AdamW and the model's own
+# forward and backward on the same GPU; state, peak memory and one profiled step per configuration.
+timeout 240 python benchmarks/gpu_step.py --model olmo2-1b --steps 3 --repeats 5 --profile --fwd_bwd \
+  >"$OUT/gpu_step_olmo2.txt" 2>&1
+timeout 60 python benchmarks/gpu_step.py --model t5-small --profile --fwd_bwd --batch 32 --seq 512 \
+  >"$OUT/gpu_step_t5.txt" 2>&1
+
+# The NCCL path: the same step as one rank of an NCCL process group (one GPU: one rank).
+timeout 90 torchrun --standalone --nproc-per-node 1 benchmarks/gpu_step.py --model t5-small --steps 2 --repeats 2 \
+  >"$OUT/gpu_step_t5_nccl.txt" 2>&1
 
 # End to end: the stock script on one GPU, FlexDeMo's default against adamw_torch_fused.
 for optim in flexdemo adamw_torch_fused; do
@@ -30,5 +38,5 @@ for optim in flexdemo adamw_torch_fused; do
     >"$OUT/trainer_$optim.txt" 2>&1
 done
 
-timeout 120 python -m pytest -q -m unit -x >"$OUT/unit.txt" 2>&1
+timeout 150 python -m pytest -q -m unit -x -p no:cacheprovider >"$OUT/unit.txt" 2>&1
 tail -n 3 "$OUT"/*.txt
