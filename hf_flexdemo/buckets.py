@@ -151,10 +151,12 @@ class Bucket:
         torch._foreach_copy_(self.params, self.unstacked(values.to(self.dtype)))
 
 
-MAX_BUCKET_ENTRIES = 2**28
-"""A bucket's parameters hold at most this many entries in all (1 GiB of float32; counted whole, not per
+MAX_BUCKET_ENTRIES = 2**27
+"""A bucket's parameters hold at most this many entries in all (512 MiB of float32; counted whole, not per
 shard), or one parameter if that is larger: a phase's temporaries (a stacked gradient, its DCT,
-Newton-Schulz's iterates) scale with the bucket, so the largest shapes are handled in a few pieces."""
+Newton-Schulz's iterates) scale with the bucket, so the largest shapes are handled in a few pieces. 2**28
+let OLMo2-1B's step peak at 1.9x its state on a GPU; a bucket this size still takes several layers'
+matrices, so the work per launch stays large."""
 
 
 def build_buckets(slots_by_group: list[list[ParamSlot]], max_entries: int = MAX_BUCKET_ENTRIES) -> list[Bucket]:

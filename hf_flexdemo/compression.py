@@ -185,14 +185,21 @@ def to_coefficients(x: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     return y.reshape(plan.rows, plan.cols)
 
 
-def from_coefficients(coefficients: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-    """Inverse of :func:`to_coefficients`: a ``(rows, cols)`` matrix in the coefficients' dtype."""
+def from_coefficients(coefficients: torch.Tensor, plan: ChunkPlan, overwrite: bool = False) -> torch.Tensor:
+    """Inverse of :func:`to_coefficients`: a ``(rows, cols)`` matrix in the coefficients' dtype.
+
+    ``overwrite``: the result may be written over ``coefficients`` (contiguous, not needed afterwards), so a
+    large matrix costs one temporary instead of two.
+    """
     left, right = _dct_pair(plan, coefficients.dtype, coefficients.device)
     y = coefficients.reshape(plan.rows, plan.cols)
     if plan.tile_rows > 1:
         y = torch.matmul(left.T, y.reshape(plan.rows // plan.tile_rows, plan.tile_rows, plan.cols))
     if plan.tile_cols > 1:
-        y = torch.matmul(y.reshape(plan.rows, plan.cols // plan.tile_cols, plan.tile_cols), right)
+        shape = (plan.rows, plan.cols // plan.tile_cols, plan.tile_cols)
+        reuse = overwrite and plan.tile_rows > 1 and coefficients.is_contiguous()
+        out = coefficients.view(shape) if reuse else None
+        y = torch.matmul(y.reshape(shape), right, out=out)
     return y.reshape(plan.rows, plan.cols)
 
 
@@ -240,13 +247,23 @@ def decode_replicas(
     """
     device = parts[0][1].device
     total = torch.zeros(plan.rows * plan.cols, dtype=dtype, device=device)
-    # One replica: each coefficient was picked at most once, so both modes divide by one.
-    count = torch.zeros_like(total) if mode == "selected" and len(parts) > 1 else None
+    positions = []
     for indices, values in parts:
         where = flat_positions(indices, plan)
         # Positions are unique within one replica's part, so each value is added exactly once.
         total[where] += values.reshape(-1).to(dtype)
-        if count is not None:
-            count[where] += 1
-    total = total.div_(count.clamp_(min=1)) if count is not None else total.div_(len(parts))
+        positions.append(where)
+    if len(parts) == 1:  # each coefficient was picked at most once: both modes divide by one
+        return total.view(plan.rows, plan.cols)
+    # Only the sent positions are nonzero, so only they are divided (not a pass over the dense matrix).
+    # Writing each quotient where several replicas sent it stores the same value twice: deterministic.
+    sent = torch.cat(positions)
+    if mode == "selected":
+        small = torch.uint8 if len(parts) < 256 else torch.int32
+        count = torch.zeros(plan.rows * plan.cols, dtype=small, device=device)
+        count.index_put_((sent,), torch.ones_like(sent, dtype=count.dtype), accumulate=True)
+        divisor = count[sent].to(dtype)
+    else:
+        divisor = torch.tensor(float(len(parts)), dtype=dtype, device=device)
+    total[sent] = total[sent] / divisor
     return total.view(plan.rows, plan.cols)

@@ -166,6 +166,15 @@ def test_decoding_selected_averages_over_the_replicas_that_picked_a_coefficient(
     assert mean.tolist() == [[1.0, 5.0, 0.0, 4.0]]
 
 
+@pytest.mark.parametrize("shape", [(128, 192), (7, 64), (64, 5)])
+def test_the_inverse_dct_written_over_its_input_gives_the_same_bits(shape):
+    plan = ChunkPlan.for_shape(shape, chunk=64, topk=8)
+    coefficients = to_coefficients(torch.randn(shape, generator=torch.Generator().manual_seed(1)), plan)
+    expected = from_coefficients(coefficients, plan)
+    scratch = coefficients.clone()
+    assert torch.equal(from_coefficients(scratch, plan, overwrite=True), expected)
+
+
 def test_decoding_adds_replicas_in_rank_order_so_every_process_gets_the_same_bits():
     """float32 addition is not associative: only a fixed order makes every replica's decode identical.
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..buckets import Bucket, ParamSlot, build_buckets
+from ..buckets import MAX_BUCKET_ENTRIES, Bucket, ParamSlot, build_buckets
 from ..config import FlexDeMoConfig, validate_group
 from ..dtensor_utils import local_tensor
 from ..schemes import Collective, Decoded, StepContext, build_scheme
@@ -358,17 +358,21 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         )
         if self.config.rounding == "stochastic":  # each replica its own draws: rounding errors independent
             ctx.noise = torch.Generator().manual_seed((self.config.seed * 1_000_003 + step) * 1_009 + topology.rank)
-        grads = [None if sync_only else self._stacked_grads(bucket, healed_now) for bucket in buckets]
-        stepping = [bucket.for_step(grad) for bucket, grad in zip(buckets, grads)]
+        stepping = [bucket.for_step(None) for bucket in buckets]
         undo = self._snapshot(stepping, undo_step=not sync_only) if in_round else None
         if not sync_only:
             for bucket in stepping:
                 wd = bucket.group["weight_decay"]
                 if wd:
                     torch._foreach_mul_(bucket.params, 1 - bucket.group["lr"] * wd)
-        payloads = [self.scheme.local_step(bucket, ctx) for bucket in stepping]
+        payloads, grad_bytes = [], []
+        for bucket in stepping:  # one bucket's stacked gradients at a time: they are folded into its state
+            bucket.grad = None if sync_only else self._stacked_grads(bucket, healed_now)
+            payloads.append(self.scheme.local_step(bucket, ctx))
+            grad_bytes.append(nbytes(bucket.grad) // bucket.count if bucket.grad is not None else 0)
+            bucket.grad = None
         overlap = self.config.overlap and ctx.replicate and not sync_only
-        in_flight = self._start_exchange(stepping, payloads, ctx, async_op=overlap, topology=topology)
+        in_flight = self._start_exchange(stepping, payloads, grad_bytes, ctx, async_op=overlap, topology=topology)
         in_flight.undo = undo
         if overlap:
             self._pending = in_flight
@@ -382,9 +386,19 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             restore(job.undo)  # the step did not happen, on this node or any other
             self._host_step = None  # the step counts went back: read them again
             return
-        parts = self._split(received, job)
-        decoded = [self.scheme.apply(bucket, part, job.ctx) for bucket, part in zip(job.buckets, parts)]
-        self._apply_rules([d for d in decoded if d is not None], job.ctx)
+        # Decoded updates are dense: the rules take them a few buckets at a time, so the step holds at most
+        # about one bucket's worth beside the state, not the whole model's.
+        batch, entries = [], 0
+        for bucket, part in zip(job.buckets, self._split(received, job)):
+            decoded = self.scheme.apply(bucket, part, job.ctx)
+            if decoded is None:
+                continue
+            batch.append(decoded)
+            entries += bucket.count * bucket.full_shape.numel()  # whole shapes: every process of a node agrees
+            if entries >= MAX_BUCKET_ENTRIES:
+                self._apply_rules(batch, job.ctx)
+                batch, entries = [], 0
+        self._apply_rules(batch, job.ctx)
         self._count(job, stats)
 
     def _rule(self, group: dict[str, Any]) -> UpdateRule:
@@ -499,6 +513,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         self,
         buckets: list[Bucket],
         payloads: list[list[torch.Tensor]],
+        grad_bytes: list[int],
         ctx: StepContext,
         async_op: bool,
         topology: ReplicaTopology,
@@ -516,9 +531,6 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             exchange = all_gather_packed(flat, topology, async_op=async_op)
         else:
             exchange = all_reduce_mean_packed(flat, topology, async_op=async_op)
-        grad_bytes = [nbytes(bucket.grad) // bucket.count if bucket.grad is not None else 0 for bucket in buckets]
-        for bucket in buckets:
-            bucket.grad = None  # folded into the state: do not hold gradients through the next step
         return _InFlight(buckets, payloads, exchange, ctx, bounds, grad_bytes)
 
     def _split(self, received, job: _InFlight) -> list[Any]:

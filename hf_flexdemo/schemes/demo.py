@@ -105,4 +105,4 @@ class DeMoScheme(MomentumScheme):
         dtype = self.momentum(bucket).dtype
         parts = [self.wire.read(part, plan) for part in received]
         coefficients = decode_replicas(parts, plan, self.config.decode, dtype)
-        return Decoded(bucket, from_coefficients(coefficients, plan).view(-1))
+        return Decoded(bucket, from_coefficients(coefficients, plan, overwrite=True).view(-1))

@@ -129,4 +129,4 @@ class SharedIndexDeMoScheme(DeMoScheme):
         mask = self.mask(bucket).view(-1)
         mask.zero_()
         mask[flat_positions(following, plan)] = 1
-        return Decoded(bucket, from_coefficients(coefficients, plan).view(-1))
+        return Decoded(bucket, from_coefficients(coefficients, plan, overwrite=True).view(-1))
