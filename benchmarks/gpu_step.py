@@ -168,13 +168,15 @@ def main() -> None:
             opt = FlexDeMo(params, lr=1e-4, mesh=mesh, elementwise=tables, **settings)
 
         def step(opt=opt, adamw=kwargs is None):
-            for p, grad in zip(params, grads):
-                p.grad = grad.clone() if adamw else grad
+            for p, grad in zip(params, grads):  # HSDP's all-reduce writes into the gradients: give it copies
+                p.grad = grad.clone() if adamw and replicas > 1 else grad
             if adamw and replicas > 1:
                 for p in params:  # HSDP's inter-node gradient all-reduce
                     dist.all_reduce(p.grad, group=mesh.get_group())
             opt.step()
 
+        for p, grad in zip(params, grads):  # the previous configuration's gradients must not count as state
+            p.grad = grad
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         step()  # creates the state
