@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,43 @@ def test_every_process_of_a_node_builds_the_same_buckets_from_uneven_shards():
             slots.append(ParamSlot(local, state, {}, i))
         per_rank.append([[tuple(s.state.param.shape) for s in b.slots] for b in build_buckets([slots])])
     assert per_rank[0] == per_rank[1] == [[(5, 3)], [(6, 3)]]
+
+
+@pytest.mark.parametrize("update", ["sign", "orthogonal"])
+def test_a_step_holds_one_buckets_gradients_and_a_buckets_worth_of_decoded_updates_at_a_time(monkeypatch, update):
+    """The step's memory above its state is bounded by a bucket, not by the model: every bucket's stacked
+    gradients, or every bucket's dense decoded update, alive at once is what made OLMo2-1B's step peak at
+    1.9x its state on a GPU."""
+    cap = 2 * 16 * 16
+    monkeypatch.setattr(FlexDeMo, "bucket_entries", cap)
+    shapes = [(16, 16)] * 6 + [(16,)] * 6
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    rules = {"update": update} | ({"elementwise_update": "sign"} if update == "orthogonal" else {})
+    opt = FlexDeMo(params, topk=4, chunk=8, **rules)
+    grads = [[torch.randn(s) for s in shapes] for _ in range(2)]
+    steps(opt, params, grads[:1])
+    assert [bucket.count for bucket in opt._buckets] == [2, 2, 2, 6]
+
+    stacks, batches = [], []
+    stacked = FlexDeMo._stacked_grads
+
+    def stacked_and_watched(bucket, zero):
+        grad = stacked(bucket, zero)
+        assert not [ref for ref in stacks if ref() is not None], "an earlier bucket's gradients are still held"
+        stacks.append(weakref.ref(grad))
+        return grad
+
+    rule = opt.rules[update]
+    apply = rule.apply
+
+    def apply_and_watch(decoded, ctx):
+        assert not [ref for batch in batches for ref in batch if ref() is not None], "earlier updates are held"
+        entries = [item.bucket.count * item.bucket.numel for item in decoded]
+        assert sum(entries) - entries[-1] < cap  # the batch closed at the first bucket that filled it
+        apply(decoded, ctx)
+        batches.append([weakref.ref(item.update) for item in decoded])
+
+    monkeypatch.setattr(FlexDeMo, "_stacked_grads", staticmethod(stacked_and_watched))
+    monkeypatch.setattr(rule, "apply", apply_and_watch)
+    steps(opt, params, grads[1:])
+    assert len(stacks) == 4 and len(batches) == 4

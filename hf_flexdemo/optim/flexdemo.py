@@ -101,6 +101,10 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
     compared on the first step and copied if they differ.
     """
 
+    bucket_entries: int = MAX_BUCKET_ENTRIES
+    """Most entries per bucket, and per batch of decoded updates handed to the rules: what bounds the step's
+    temporaries (a class attribute, so every process of a job agrees)."""
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -395,7 +399,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
                 continue
             batch.append(decoded)
             entries += bucket.count * bucket.full_shape.numel()  # whole shapes: every process of a node agrees
-            if entries >= MAX_BUCKET_ENTRIES:
+            if entries >= self.bucket_entries:
                 self._apply_rules(batch, job.ctx)
                 batch, entries = [], 0
         self._apply_rules(batch, job.ctx)
@@ -451,7 +455,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         all_slots = [slot for slots in slots_by_group for slot in slots]
         if "step" not in all_slots[0].state:
             self._start([slot.state.param for slot in all_slots])
-        buckets = build_buckets(slots_by_group)
+        buckets = build_buckets(slots_by_group, self.bucket_entries)
         for bucket in buckets:  # every state entry exists from the first step on (see ReplicationScheme.init_state)
             bucket.scalars("step", torch.int64)
             self.scheme.init_state(bucket)
