@@ -27,6 +27,9 @@ VALUE_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
 }
 PER_STEP_SCHEMES = ("demo", "random", "striding", "full")
+REPLAYABLE_SCHEMES = ("demo", "random", "striding", "full")
+"""Schemes whose parameters move by the exchanged update alone: a lagging node can replay missed steps."""
+REPLAY_STEPS_DEFAULT = 4
 OUTER_STEP_SCHEMES = ("diloco", "sparseloco")
 """Schemes with DiLoCo's local inner AdamW steps and an outer step every ``inner_steps``."""
 TOPK_SCHEMES = ("demo", "sparseloco")
@@ -165,6 +168,13 @@ class FlexDeMoConfig:
         default=120.0,
         metadata={"help": "torchft: seconds to wait for min_replicas live nodes (or the Lighthouse) before stopping."},
     )
+    replay_steps: int = field(
+        default=REPLAY_STEPS_DEFAULT,
+        metadata={
+            "help": "torchft: each node keeps the last N committed steps' exchanged payloads, so that a node that "
+            "missed up to N commits catches up by replaying them instead of copying the whole state (0: always copy)."
+        },
+    )
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
@@ -214,6 +224,18 @@ class FlexDeMoConfig:
         _check_int("min_replicas", self.min_replicas, low=1)
         _check_float("ft_timeout", self.ft_timeout, low=0.0, low_open=True)
         _check_float("quorum_timeout", self.quorum_timeout, low=0.0, low_open=True)
+        _check_int("replay_steps", self.replay_steps, low=0)
+        if self.replay_steps != REPLAY_STEPS_DEFAULT and not self.fault_tolerant:
+            raise ValueError(
+                f"FlexDeMo: replay_steps={self.replay_steps} applies to fault_tolerance='torchft' (a lagging node's "
+                "catch-up), but fault_tolerance is 'off'; drop replay_steps, or set fault_tolerance=torchft."
+            )
+        if self.replay_steps not in (0, REPLAY_STEPS_DEFAULT) and self.scheme not in REPLAYABLE_SCHEMES:
+            raise ValueError(
+                f"FlexDeMo: replay_steps={self.replay_steps} cannot apply to scheme={self.scheme!r}: its inner steps "
+                "move each node's parameters by its own gradients, so a lagging node always copies the whole state. "
+                f"Drop replay_steps (it applies to {REPLAYABLE_SCHEMES})."
+            )
         if self.overlap and self.fault_tolerant:
             raise ValueError(
                 "FlexDeMo: overlap=True cannot be combined with fault_tolerance='torchft': a step is committed only "

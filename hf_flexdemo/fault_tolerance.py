@@ -187,6 +187,12 @@ class ManagedReplicas:
         """``(committed steps, nodes)`` at each change of the quorum's nodes this node saw, oldest first."""
         self.committed_node_steps = 0
         """Sum of the quorum's size over the steps this node committed since this process started."""
+        self.steps_before_quorum = 0
+        """The committed steps this node held when it asked for the current quorum (before any heal)."""
+        self._catch_up: tuple[int, int, int] | None = None  # this round: (steps, bytes) replayed, bytes of a copy
+        self._copied = 0  # this round: bytes of the whole state copied to this process
+        self.catch_ups: list[tuple[int, int, int]] = []
+        """Every catch-up by replay since this process started: (steps, bytes moved, bytes a full copy moves)."""
         logger.info(
             "FlexDeMo fault tolerance: %s (rank %d of %d) joined the Lighthouse at %s; min_replicas=%d.",
             self.identity.name,
@@ -251,6 +257,8 @@ class ManagedReplicas:
         if self._round_open:
             return False
         self._healed = False
+        self._catch_up, self._copied = None, 0
+        self.steps_before_quorum = self.manager.current_step()
         if not self._met and self._rank == 0:
             self._job = read_lighthouse(self.identity.lighthouse)
         previous = self._quorum.members
@@ -292,14 +300,27 @@ class ManagedReplicas:
         self._say_quorum_change(previous)
         if not self._settled:  # also after a failed first heal: the nodes it was to heal from may leave
             self._check_job_state(self._job)
-        if self._healed:
+        if self._healed and self._catch_up is not None:
+            steps, moved, copy = self._catch_up
+            self.catch_ups.append(self._catch_up)
+            if self._rank == 0:
+                logger.warning(
+                    "FlexDeMo fault tolerance: %s missed %d committed step(s) and catches up by replaying their "
+                    "exchanged payloads (%s on this process; copying the whole state would move %s).",
+                    self.identity.name,
+                    steps,
+                    _megabytes(moved),
+                    _megabytes(copy),
+                )
+        elif self._healed:
             # At step 0 every node takes the first node's initial parameters: nothing was lost.
             say = logger.warning if self.manager.current_step() > 0 and self._rank == 0 else logger.info
             say(
                 "FlexDeMo fault tolerance: %s took the parameters and training position from a live peer "
-                "(%d steps committed by the quorum) and trains on from there.",
+                "(%d steps committed by the quorum; %s to this process) and trains on from there.",
                 self.identity.name,
                 self.manager.current_step(),
+                _megabytes(self._copied),
             )
         return self._healed
 
@@ -437,6 +458,22 @@ class ManagedReplicas:
             parts.append(f"{size} to {len(nodes)} after {step} ({quorum_moves(before, nodes)})")
         return "; ".join(parts)
 
+    def note_catch_up(self, steps: int, moved: int, copy: int) -> None:
+        """This round's heal is a replay of ``steps`` missed steps (``moved`` bytes; a full copy: ``copy``)."""
+        self._catch_up = (steps, moved, copy)
+
+    def note_copy(self, copied: int) -> None:
+        """This round's heal copied the whole state (``copied`` bytes to this process)."""
+        self._copied = copied
+
+    def healing_steps(self) -> list[int] | None:
+        """Committed steps of the current quorum's nodes that are behind (None: the Lighthouse did not answer)."""
+        view = read_lighthouse(self.identity.lighthouse)
+        if view.error or not view.last_quorum:
+            return None
+        ahead = max(view.last_quorum.values())
+        return [steps for steps in view.last_quorum.values() if steps < ahead]
+
     def report(self, error: Exception) -> None:
         self.manager.report_error(error)
 
@@ -528,3 +565,7 @@ def node_replicas(config: FlexDeMoConfig, device=None) -> ManagedReplicas:
     if _NODE is None:
         _NODE = ManagedReplicas(config, device=device)
     return _NODE
+
+
+def _megabytes(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.2f} MB"

@@ -438,8 +438,11 @@ def test_a_node_with_other_settings_is_refused_when_it_meets_the_others(lighthou
 class OneReplicaQuorum:
     """Stands in for ManagedReplicas in one process: one replica, each commit decided by the test."""
 
+    device = torch.device("cpu")
+
     def __init__(self, commits: list[bool]):
         self.commits, self.round_open, self.served = list(commits), False, {}
+        self.step = self.steps_before_quorum = 0  # committed steps, as torchft counts them
 
     def register(self, key, state, load):
         self.served[key] = (state, load)
@@ -453,7 +456,9 @@ class OneReplicaQuorum:
 
     def commit(self) -> bool:
         self.round_open = False
-        return self.commits.pop(0)
+        committed = self.commits.pop(0)
+        self.step += committed
+        return committed
 
     def topology(self):
         return ReplicaTopology.single()
@@ -540,3 +545,85 @@ def test_a_healing_node_takes_parameters_shared_state_and_the_learning_rate(sche
             assert peer.state[q]["update_sq"].any() and torch.equal(
                 node.state[p]["update_sq"], peer.state[q]["update_sq"]
             )
+
+
+class LaggingPeers(OneReplicaQuorum):
+    """OneReplicaQuorum that commits every step, with the committed steps of the nodes healing from it."""
+
+    def __init__(self, healing: list[int] | None = None):
+        super().__init__([True] * 100)
+        self.healing, self.caught_up, self.copied = healing, None, None
+
+    def healing_steps(self):
+        return self.healing
+
+    def note_catch_up(self, steps, moved, copy):
+        self.caught_up = (steps, moved, copy)
+
+    def note_copy(self, copied):
+        self.copied = copied
+
+
+REPLAYED = {
+    "demo": dict(scheme="demo", value_bits=2, rounding="stochastic"),
+    "demo_ortho_adam": dict(scheme="demo", **UPDATE_RULES["demo_ortho_adam"]),
+    "demo_adam": dict(scheme="demo", **UPDATE_RULES["demo_adam"]),
+    "demo_shared": dict(scheme="demo", shared_indices=True),
+    "random": dict(scheme="random"),
+    "full": dict(scheme="full"),
+}
+
+
+def lagging_pair(settings: dict, replay_steps: int = 4, missed: int = 3):
+    """A peer that commits 2 + ``missed`` steps, and a node that committed the first 2 with it, then none."""
+    hp = dict(lr=0.05, weight_decay=0.1, topk=3, chunk=4, rate=0.25, fault_tolerance="torchft") | settings
+    peer_params, mine = _tiny_params(), _tiny_params()
+    peer, node = FlexDeMo(peer_params, replay_steps=replay_steps, **hp), FlexDeMo(mine, **hp)
+    peer.attach_managed(LaggingPeers(healing=[2]))
+    node.attach_managed(LaggingPeers())
+    for step in range(2 + missed):
+        for opt, params in ((peer, peer_params), (node, mine))[: 1 if step >= 2 else 2]:
+            for p, g in zip(params, _grads(step, params)):
+                p.grad = g
+            opt.step()
+            opt.param_groups[0]["lr"] *= 0.9  # a scheduler: each replayed step takes its own rate
+    node._managed.steps_before_quorum = node._managed.step
+    return peer, node, peer_params, mine
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("settings", REPLAYED.values(), ids=REPLAYED.keys())
+def test_a_node_that_missed_steps_replays_their_payloads_and_ends_bitwise_equal(settings):
+    peer, node, peer_params, mine = lagging_pair(settings)
+    served = peer.replica_state()
+    assert "params" not in served and [step.committed for step in served["replay"]] == [3, 4, 5]
+    node.load_replica_state(served)
+    node._managed.step = peer._managed.step  # as torchft's heal sets it
+    assert node._managed.caught_up[0] == 3 and node._managed.caught_up[1] > 0
+    assert not all(torch.equal(a, b) for a, b in zip(mine, peer_params))  # applied at the node's next commit
+    node.synchronize()  # a round that exchanges nothing: the commit replays the missed steps
+    assert all(torch.equal(a, b) for a, b in zip(mine, peer_params))
+    keep = node._shared_keys()
+    for p, q in zip(mine, peer_params):
+        for key in keep:
+            if key in peer.state[q]:
+                assert torch.equal(node.state[p][key], peer.state[q][key]), key
+    assert node.param_groups[0]["lr"] == peer.param_groups[0]["lr"]
+    assert [step.committed for step in node._replay._steps] == [3, 4, 5, 6]  # it can serve them on
+
+
+@pytest.mark.unit
+def test_a_node_further_behind_than_replay_steps_copies_the_whole_state():
+    peer, node, peer_params, mine = lagging_pair(REPLAYED["demo"], replay_steps=2, missed=3)
+    served = peer.replica_state()
+    assert "replay" not in served and "params" in served
+    node.load_replica_state(served)
+    assert all(torch.equal(a, b) for a, b in zip(mine, peer_params))
+    assert node._managed.copied > 0 and node._managed.caught_up is None
+
+
+@pytest.mark.unit
+def test_a_new_node_copies_the_whole_state_even_when_the_steps_are_held():
+    peer, _, _, _ = lagging_pair(REPLAYED["demo"], missed=1)
+    peer._managed.healing = [0]  # it never committed a step of this job: its parameters are not the job's
+    assert "params" in peer.replica_state()

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..buckets import MAX_BUCKET_ENTRIES, Bucket, ParamSlot, build_buckets
-from ..config import FlexDeMoConfig, validate_group
+from ..config import REPLAYABLE_SCHEMES, FlexDeMoConfig, validate_group
 from ..dtensor_utils import local_tensor
 from ..schemes import Collective, Decoded, StepContext, build_scheme
 from ..state_store import StateStore, StateView
@@ -54,6 +54,7 @@ from ..wire import (
     nbytes,
 )
 from .counters import COUNTERS, ByteCounters
+from .replay import LoggedStep, ReplayLog
 from .replica_state import ReplicaState, restore
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class _InFlight:
     """One parameter's gradient size per bucket (the dense baseline); the gradients themselves are released."""
     undo: list | None = None
     """Fault tolerance: what the step changed before its exchange, restored if the node does not commit."""
+    decay_on_commit: bool = False
+    """Fault tolerance: weight decay waits for the commit (a catch-up replays the missed steps first)."""
 
 
 class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
@@ -138,6 +141,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         min_replicas: int = 1,
         ft_timeout: float = 30.0,
         quorum_timeout: float = 120.0,
+        replay_steps: int = 4,
         mesh: DeviceMesh | None = None,
         replicate_dim: str | None = None,
         elementwise: Iterable[torch.Tensor] | None = None,
@@ -172,6 +176,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             min_replicas=min_replicas,
             ft_timeout=ft_timeout,
             quorum_timeout=quorum_timeout,
+            replay_steps=replay_steps,
         )
         self._update_unset = update is None  # a group's sign=False then keeps the sign rule, as sign=False does
         if self.config.update == "orthogonal":
@@ -196,6 +201,9 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         self._bucket_signature: tuple[tuple[int, int], ...] = ()
         self._host_step: int | None = None  # steps taken, mirrored on the host (no sync per step)
         self._managed = None  # fault tolerance: the ManagedReplicas that decide who the replicas are each step
+        replayable = self.config.fault_tolerant and self.config.scheme in REPLAYABLE_SCHEMES
+        self._replay = ReplayLog(self.config.replay_steps if replayable else 0)  # steps a lagging peer may replay
+        self._missed: list[LoggedStep] | None = None  # steps this node missed, replayed at its next commit
         if mesh is not None:
             self.attach(mesh, replicate_dim)
 
@@ -342,7 +350,9 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         buckets = self._bucketed()
         if in_round and sync_only and not self._needs_sync():
             # Decided after healing, so every node decides alike; the round closes with nothing sent.
-            managed.commit()
+            if managed.commit():
+                self._catch_up()
+                self._replay.record(LoggedStep(managed.step, None, [], [], []))  # a round that changed nothing
             return False
         topology = ReplicaTopology.single() if creating_state else self.topology
         if not sync_only:
@@ -364,20 +374,22 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             ctx.noise = torch.Generator().manual_seed((self.config.seed * 1_000_003 + step) * 1_009 + topology.rank)
         stepping = [bucket.for_step(None) for bucket in buckets]
         undo = self._snapshot(stepping, undo_step=not sync_only) if in_round else None
-        if not sync_only:
-            for bucket in stepping:
-                wd = bucket.group["weight_decay"]
-                if wd:
-                    torch._foreach_mul_(bucket.params, 1 - bucket.group["lr"] * wd)
+        # Nothing reads the parameters between here and the rules, so under a quorum weight decay can wait
+        # for the commit, after any catch-up (DiLoCo's inner steps do read them: it decays now).
+        decay_on_commit = in_round and not sync_only and not self.scheme.moves_parameters_locally
+        if not sync_only and not decay_on_commit:
+            self._decay(stepping)
+        # A gradient taken on parameters that a heal replaced, or that a catch-up will move, folds in nothing.
+        stale = healed_now or self._missed is not None
         payloads, grad_bytes = [], []
         for bucket in stepping:  # one bucket's stacked gradients at a time: they are folded into its state
-            bucket.grad = None if sync_only else self._stacked_grads(bucket, healed_now)
+            bucket.grad = None if sync_only else self._stacked_grads(bucket, stale)
             payloads.append(self.scheme.local_step(bucket, ctx))
             grad_bytes.append(nbytes(bucket.grad) // bucket.count if bucket.grad is not None else 0)
             bucket.grad = None
         overlap = self.config.overlap and ctx.replicate and not sync_only
         in_flight = self._start_exchange(stepping, payloads, grad_bytes, ctx, async_op=overlap, topology=topology)
-        in_flight.undo = undo
+        in_flight.undo, in_flight.decay_on_commit = undo, decay_on_commit
         if overlap:
             self._pending = in_flight
         else:
@@ -390,20 +402,37 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             restore(job.undo)  # the step did not happen, on this node or any other
             self._host_step = None  # the step counts went back: read them again
             return
+        parts = self._split(received, job)
+        if job.undo is not None:
+            self._catch_up()
+        if job.decay_on_commit:
+            self._decay(job.buckets)
+        self._decode_and_apply(job.buckets, parts, job.ctx)
+        if job.undo is not None:
+            self._replay.record(self._logged(job.buckets, parts, job.ctx))
+        self._count(job, stats)
+
+    def _decay(self, buckets: list[Bucket]) -> None:
+        for bucket in buckets:
+            wd = bucket.group["weight_decay"]
+            if wd:
+                torch._foreach_mul_(bucket.params, 1 - bucket.group["lr"] * wd)
+
+    def _decode_and_apply(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext) -> None:
+        """Decode each bucket's exchange and move its parameters by its rule."""
         # Decoded updates are dense: the rules take them a few buckets at a time, so the step holds at most
         # about one bucket's worth beside the state, not the whole model's.
         batch, entries = [], 0
-        for bucket, part in zip(job.buckets, self._split(received, job)):
-            decoded = self.scheme.apply(bucket, part, job.ctx)
+        for bucket, part in zip(buckets, parts):
+            decoded = self.scheme.apply(bucket, part, ctx)
             if decoded is None:
                 continue
             batch.append(decoded)
             entries += bucket.count * bucket.full_shape.numel()  # whole shapes: every process of a node agrees
             if entries >= self.bucket_entries:
-                self._apply_rules(batch, job.ctx)
+                self._apply_rules(batch, ctx)
                 batch, entries = [], 0
-        self._apply_rules(batch, job.ctx)
-        self._count(job, stats)
+        self._apply_rules(batch, ctx)
 
     def _rule(self, group: dict[str, Any]) -> UpdateRule:
         return self.rules[group["update"]]

@@ -16,8 +16,10 @@ import torch.distributed as dist
 
 from ..buckets import Bucket
 from ..dtensor_utils import local_tensor
+from ..schemes.base import StepContext
 from ..state_store import StateView
 from ..topology import ReplicaTopology
+from .replay import LoggedStep
 
 
 class ReplicaState:
@@ -26,12 +28,20 @@ class ReplicaState:
     def _ordered_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
+    def _shared_keys(self) -> tuple[str, ...]:
+        return ("step", *self.scheme.shared_keys, *(key for rule in self.rules.values() for key in rule.state_keys))
+
     def replica_state(self) -> dict[str, Any]:
-        """Copies of what must be equal on every replica: parameters, step counts, the scheme's shared state,
-        and the groups' hyperparameters (the lr a scheduler has set)."""
-        keep = ("step", *self.scheme.shared_keys, *(key for rule in self.rules.values() for key in rule.state_keys))
+        """What a peer that is behind needs, as copies: the groups' hyperparameters (the lr a scheduler has set),
+        and either the steps it missed, to replay (see :mod:`.replay`), or the parameters, step counts and the
+        scheme's and rules' shared state."""
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+        missed = self._steps_missed_by_healing_peers()
+        if missed is not None:
+            return {"groups": groups, "replay": missed}
+        keep = self._shared_keys()
         return {
-            "groups": [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups],
+            "groups": groups,
             "params": [local_tensor(p).detach().clone() for p in self._ordered_params()],
             "state": [
                 {k: local_tensor(v).clone() for k, v in self.state.get(p, {}).items() if k in keep}
@@ -39,10 +49,48 @@ class ReplicaState:
             ],
         }
 
+    def _steps_missed_by_healing_peers(self) -> list[LoggedStep] | None:
+        """The logged steps that bring every node healing from this one up to date, if this node holds them all.
+
+        A node with no committed step (new, or relaunched without a checkpoint) holds none of the job's state:
+        it copies the whole state.
+        """
+        if not len(self._replay):
+            return None
+        behind = self._managed.healing_steps()
+        if not behind or min(behind) == 0:
+            return None
+        return self._replay.since(min(behind), self._managed.step)
+
+    def _logged(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext) -> LoggedStep:
+        """This committed step, as a lagging peer would replay it."""
+        return LoggedStep(
+            committed=self._managed.step,
+            ctx=dataclasses.replace(ctx, noise=None),
+            groups=[{k: v for k, v in bucket.group.items() if k != "params"} for bucket in buckets],
+            carried=[bucket.carried for bucket in buckets],
+            parts=parts,
+        )
+
+    def _replica_state_nbytes(self) -> int:
+        """What copying the whole state moves to this process: its parameter shards and their shared state."""
+        keep = self._shared_keys()
+        tensors = [local_tensor(p) for p in self._ordered_params()] + [
+            local_tensor(v) for p in self._ordered_params() for k, v in self.state.get(p, {}).items() if k in keep
+        ]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     @torch.no_grad()
     def load_replica_state(self, peer: dict[str, Any]) -> None:
-        """Take a peer's parameters and shared state; this replica's own momentum stays (see fault_tolerance)."""
+        """Take a peer's parameters and shared state, or the steps to replay; this replica's own momentum stays
+        (see fault_tolerance)."""
         self._pending = None
+        if "replay" in peer:
+            self._take_missed_steps(peer)
+            return
+        self._missed = None  # the whole state supersedes any steps still to replay
+        if self._managed is not None:
+            self._managed.note_copy(self._replica_state_nbytes())
         if self._store is None:  # not attached yet: each node keeps its own state layout
             self._set_topology(ReplicaTopology.single())
         for group, saved in zip(self.param_groups, peer["groups"]):
@@ -60,9 +108,68 @@ class ReplicaState:
             self.scheme.healed(local_tensor(p), mine)
         self._verify_state = True
 
+    def _take_missed_steps(self, peer: dict[str, Any]) -> None:
+        """Keep a peer's logged steps for the next commit, when every process of the node replays them together
+        (the orthogonal rule's in-node exchange needs all of them; a process whose recovery failed fails the
+        commit, so nothing is replayed by half a node)."""
+        missed: list[LoggedStep] = peer["replay"]
+        pending = self._missed or []
+        held = pending[-1].committed if pending else self._managed.steps_before_quorum
+        if missed[0].committed != held + 1:
+            raise RuntimeError(
+                f"FlexDeMo: a peer sent steps {missed[0].committed}-{missed[-1].committed} to replay, but this node "
+                f"holds the state after step {held}; it cannot catch up by replay. Relaunch this node: it then copies "
+                "the whole state."
+            )
+        for group, saved in zip(self.param_groups, peer["groups"]):
+            group.update(saved)
+        self._missed = pending + missed
+        self._managed.note_catch_up(len(missed), sum(step.nbytes for step in missed), self._replica_state_nbytes())
+
+    def _catch_up(self) -> None:
+        """At a commit: replay the steps this node missed, once every process of the node agrees on them."""
+        pending = self._missed or []
+        if self._replay.capacity and dist.is_initialized() and dist.get_world_size() > 1:
+            counts = torch.tensor([len(pending), -len(pending)], device=self._managed.device)
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            if int(counts[0]) != -int(counts[1]):
+                raise RuntimeError(
+                    f"FlexDeMo: the processes of this node hold between {-int(counts[1])} and {int(counts[0])} missed "
+                    "steps to replay (a recovery failed on some of them), so they cannot catch up together. Relaunch "
+                    "this node: it then copies the whole state."
+                )
+        if not pending:
+            return
+        self._missed = None
+        buckets = self._bucketed()
+        for step in pending:
+            if step.groups:  # a round that changed nothing has no buckets
+                self._replay_step(buckets, step)
+            self._replay.record(step)
+        self._host_step = None  # the step counts moved on
+
+    def _replay_step(self, buckets: list[Bucket], step: LoggedStep) -> None:
+        """One missed step, as the peers applied it: weight decay, then each bucket's decoded update."""
+        if len(step.groups) != len(buckets):
+            raise RuntimeError(
+                f"FlexDeMo: a replayed step has {len(step.groups)} buckets, this node {len(buckets)}: the nodes do "
+                "not hold the same parameters. Launch every node with the same model and settings."
+            )
+        device = buckets[0].device
+        stepping = []
+        for bucket, group, carried in zip(buckets, step.groups, step.carried):
+            bucket.scalars("step", torch.int64).add_(1)
+            moved = bucket.for_step(None)
+            moved.group.update(group)
+            moved.carried = _to_device(carried, device)
+            stepping.append(moved)
+        self._decay(stepping)
+        if step.ctx is not None:
+            self._decode_and_apply(stepping, [_to_device(part, device) for part in step.parts], step.ctx)
+
     def _describe_layout(self) -> dict[str, Any]:
         """Settings and shapes every node must share, compared when a node first meets the others."""
-        local_only = ("ft_timeout", "quorum_timeout")
+        local_only = ("ft_timeout", "quorum_timeout", "replay_steps")  # each node's own: no effect on the others
         settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in local_only}
         return {
             "settings": settings,
@@ -81,6 +188,17 @@ class ReplicaState:
             moved = self.scheme.moves_parameters_locally or bucket.group["weight_decay"] != 0
             saved.append((bucket, bucket.stacked_params() if moved else None, tensors))
         return saved
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it on ``device`` (a peer's payloads may arrive on the host)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to_device(item, device) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_to_device(item, device) for item in value)
+    return value
 
 
 def restore(saved: list) -> None:
