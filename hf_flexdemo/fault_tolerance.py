@@ -489,15 +489,16 @@ class ManagedReplicas:
         rank = self.manager.participating_rank()
         return ManagedTopology(group=None, size=self.manager.num_participants(), rank=rank or 0, replicas=self)
 
-    def fingerprints_of_leaders(self, fingerprint: torch.Tensor) -> list[int]:
+    def fingerprints_of_leaders(self, fingerprint: torch.Tensor, unapplied: int = 0) -> list[int]:
         """Parameter checksums of the last quorum's nodes that committed the most steps ([] if it failed).
 
-        A node that missed a commit differs on purpose until its next quorum heals it.
+        A node that missed a commit differs on purpose until its next quorum heals it, and one whose
+        parameters still lack ``unapplied`` steps it will replay counts as that far behind.
         """
         topology = self.topology()
         if topology.size == 1:
             return [int(fingerprint)]
-        mine = torch.tensor([self.step, int(fingerprint)], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([self.step - unapplied, int(fingerprint)], dtype=torch.int64, device=self.device)
         gathered = torch.zeros(2 * topology.size, dtype=torch.int64, device=self.device)
         self.all_gather_into(gathered, mine).wait()
         if self.manager.errored():

@@ -150,6 +150,50 @@ def test_a_lost_node_never_stops_the_others_and_rejoins(lighthouse, tmp_path, sc
         a_finished_job_is_not_started_over(nodes[1])
 
 
+REPLAY_STEPS = 30
+
+
+@pytest.mark.faults
+def test_a_paused_node_catches_up_by_replay_and_copies_the_state_only_when_further_behind(lighthouse, tmp_path):
+    """Node 1 is frozen (SIGSTOP) while node 0 commits steps alone, twice. A few steps behind, it replays their
+    payloads; more than replay_steps behind, it copies the whole state. Both nodes end bitwise equal."""
+    slow = tmp_path / "slow_while_node1_returns"  # node 0 waits for node 1's return, so it misses few steps more
+    flags = [*TINY, "--max_steps", "150", "--step_delay", "0.1", *ft_args(f",replay_steps={REPLAY_STEPS}", timeout=5)]
+    nodes = nodes_of(2, lighthouse, tmp_path, *flags, extra={0: ("--slow_while", str(slow))})
+    for node in nodes:
+        node.start()
+    wait_until(lambda: committed_together(nodes), 180, "both nodes to train", running=nodes)
+
+    def frozen_while_node0_commits(steps: int) -> None:
+        paused = time.time()
+        nodes[1].pause()
+        alone = lambda: sum(p["replicas"] == 1 and p["time"] > paused for p in nodes[0].progress()) >= steps  # noqa: E731
+        wait_until(alone, 120, f"node 0 to commit {steps} steps alone", running=nodes[:1])
+        slow.touch()
+        resumed, ahead = time.time(), nodes[0].progress()[-1]["committed"]
+        nodes[1].resume()
+        # Its first step back fails (its exchange had timed out); then it heals and commits past node 0's count.
+        back = lambda: any(p["time"] > resumed and p["committed"] > ahead for p in nodes[1].progress())  # noqa: E731
+        wait_until(back, 120, "node 1 to commit with node 0 again", running=nodes)
+        slow.unlink()
+
+    frozen_while_node0_commits(2)
+    log = nodes[1].log()
+    caught_up = re.findall(r"node1 missed (\d+) committed step\(s\) and catches up by replaying", log)
+    assert caught_up and int(caught_up[0]) <= REPLAY_STEPS, log[-6000:]
+    assert "took the parameters and training position from a live peer" not in log, log[-6000:]
+    moved = re.search(r"replaying their exchanged payloads \(([\d.]+) MB .*would move ([\d.]+) MB\)", log)
+    assert float(moved[1]) < float(moved[2]) / 10, moved[0]  # the payloads of a few steps, not the state
+
+    frozen_while_node0_commits(REPLAY_STEPS + 10)
+    assert "took the parameters and training position from a live peer" in nodes[1].log()
+    finish(nodes)
+    for rank in (0, 1):
+        first, second = nodes[0].result(rank), nodes[1].result(rank)
+        assert first["fingerprint"] == second["fingerprint"], f"rank {rank}: the nodes end with different parameters"
+        assert first["global_step"] == second["global_step"] == 150
+
+
 @pytest.mark.faults
 def test_a_node_started_mid_run_heals_once_reads_its_own_data_and_the_job_grows(patient_lighthouse, tmp_path):
     """NUM_REPLICA_GROUPS=3 declares the job's most nodes; nodes 0 and 1 start, node 2 joins later."""

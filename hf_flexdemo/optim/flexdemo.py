@@ -586,7 +586,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         """
         params = [p for group in self.param_groups for p in group["params"]]
         if self._managed is not None:
-            return self._managed.fingerprints_of_leaders(parameter_fingerprint(params))
+            return self._managed.fingerprints_of_leaders(parameter_fingerprint(params), len(self._missed or ()))
         return replica_fingerprints(params, self.topology)
 
     @property

@@ -115,6 +115,19 @@ class Node:
         self.proc.wait()
         return when
 
+    def pause(self) -> None:
+        """SIGSTOP the launcher and every worker: the node stops dead (no heartbeat), as a frozen machine does."""
+        self._signal_all(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_all(signal.SIGCONT)
+
+    def _signal_all(self, sig: int) -> None:
+        launcher = psutil.Process(self.proc.pid)
+        for process in [launcher, *launcher.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(sig)
+
     def wait(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout)
