@@ -69,6 +69,7 @@ class Launch:
         )
         self.steps: list[tuple[float, dict]] = []
         self.tail: list[str] = []
+        self.said: list[str] = []  # every "FlexDeMo fault tolerance:" line, in full
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -76,6 +77,8 @@ class Launch:
         for line in self.proc.stdout:
             now = time.time()
             self.tail = (self.tail + [line])[-40:]
+            if "FlexDeMo fault tolerance:" in line:
+                self.said.append(line[line.index("FlexDeMo fault tolerance:") :].strip())
             start = line.find("{'loss'")
             if start >= 0:
                 try:

@@ -41,6 +41,9 @@ BAD = [
     (dict(shared_indices=True, pack_indices=True), "pack_indices=True", "Set pack_indices=False"),
     (dict(ns_dtype="fp16"), "ns_dtype='fp16'", "'bf16', 'float32'"),
     (dict(update="sign", ns_dtype="float32"), "ns_dtype='float32'", "update='orthogonal'"),
+    (dict(replay_steps=-1), "replay_steps=-1", ">= 0"),
+    (dict(replay_steps=8), "replay_steps=8", "fault_tolerance=torchft"),
+    (dict(scheme="diloco", fault_tolerance="torchft", replay_steps=8), "replay_steps=8", "Drop replay_steps"),
 ]
 
 
