@@ -30,6 +30,7 @@ PER_STEP_SCHEMES = ("demo", "random", "striding", "full")
 REPLAYABLE_SCHEMES = ("demo", "random", "striding", "full")
 """Schemes whose parameters move by the exchanged update alone: a lagging node can replay missed steps."""
 REPLAY_STEPS_DEFAULT = 4
+JOIN_QUORUM = ("before_forward", "when_ready")
 OUTER_STEP_SCHEMES = ("diloco", "sparseloco")
 """Schemes with DiLoCo's local inner AdamW steps and an outer step every ``inner_steps``."""
 TOPK_SCHEMES = ("demo", "sparseloco")
@@ -168,6 +169,15 @@ class FlexDeMoConfig:
         default=120.0,
         metadata={"help": "torchft: seconds to wait for min_replicas live nodes (or the Lighthouse) before stopping."},
     )
+    join_quorum: str = field(
+        default="before_forward",
+        metadata={
+            "help": "torchft: when a node joins each step's quorum. 'before_forward': every node of the quorum waits "
+            "for the slowest one's forward and backward; 'when_ready': once its payload is ready, so a late node is "
+            "left out of the steps it is late for, catches up by replay, and its gradient joins the next step it is "
+            "in time for (at most replay_steps old)."
+        },
+    )
     replay_steps: int = field(
         default=REPLAY_STEPS_DEFAULT,
         metadata={
@@ -225,6 +235,12 @@ class FlexDeMoConfig:
         _check_float("ft_timeout", self.ft_timeout, low=0.0, low_open=True)
         _check_float("quorum_timeout", self.quorum_timeout, low=0.0, low_open=True)
         _check_int("replay_steps", self.replay_steps, low=0)
+        _check_choice("join_quorum", self.join_quorum, JOIN_QUORUM)
+        if self.join_quorum != "before_forward" and not self.fault_tolerant:
+            raise ValueError(
+                f"FlexDeMo: join_quorum={self.join_quorum!r} applies to fault_tolerance='torchft' (when a node joins a "
+                "step's quorum), but fault_tolerance is 'off'; drop join_quorum, or set fault_tolerance=torchft."
+            )
         if self.replay_steps != REPLAY_STEPS_DEFAULT and not self.fault_tolerant:
             raise ValueError(
                 f"FlexDeMo: replay_steps={self.replay_steps} applies to fault_tolerance='torchft' (a lagging node's "

@@ -303,10 +303,12 @@ class ManagedReplicas:
         if self._healed and self._catch_up is not None:
             steps, moved, copy = self._catch_up
             self.catch_ups.append(self._catch_up)
-            if self._rank == 0:
-                logger.warning(
+            if self._rank == 0:  # said once: a node that is always late would say it every few steps
+                say = logger.warning if len(self.catch_ups) == 1 else logger.debug
+                say(
                     "FlexDeMo fault tolerance: %s missed %d committed step(s) and catches up by replaying their "
-                    "exchanged payloads (%s on this process; copying the whole state would move %s).",
+                    "exchanged payloads (%s on this process; copying the whole state would move %s). Later "
+                    "catch-ups are counted in the run summary.",
                     self.identity.name,
                     steps,
                     _megabytes(moved),
@@ -473,6 +475,18 @@ class ManagedReplicas:
             return None
         ahead = max(view.last_quorum.values())
         return [steps for steps in view.last_quorum.values() if steps < ahead]
+
+    def catch_up_story(self) -> str:
+        """The catch-ups by replay of this process, in one line ("" if none)."""
+        if not self.catch_ups:
+            return ""
+        steps = sum(steps for steps, _, _ in self.catch_ups)
+        moved = sum(moved for _, moved, _ in self.catch_ups)
+        copies = sum(copy for _, _, copy in self.catch_ups)
+        return (
+            f"{len(self.catch_ups)} catch-up(s) by replay, {steps} missed step(s), {_megabytes(moved)} to one "
+            f"process (copies of the state would have moved {_megabytes(copies)})"
+        )
 
     def report(self, error: Exception) -> None:
         self.manager.report_error(error)

@@ -199,6 +199,47 @@ def test_a_paused_node_catches_up_by_replay_and_copies_the_state_only_when_furth
 
 
 @pytest.mark.faults
+def test_a_slow_node_that_joins_when_ready_is_left_out_catches_up_and_contributes_again_when_fast(tmp_path):
+    """join_quorum=when_ready: node 1 takes 3 s a step, node 0 a tenth of that. Node 0 does not wait for it (the
+    Lighthouse waits 0.5 s for a late member); node 1 is left out of the steps it is late for, catches up by
+    replay, and commits with node 0 when it is in time; once fast again it trains with node 0 every step."""
+    house = Lighthouse(tmp_path / "lighthouse.log", join_timeout_ms=500)
+    slow = tmp_path / "node1_is_slow"
+    slow.touch()
+    extra = f",join_quorum=when_ready,replay_steps={REPLAY_STEPS}"
+    flags = [*TINY, "--max_steps", "200", "--step_delay", "0.1", *ft_args(extra)]
+    nodes = nodes_of(2, house, tmp_path, *flags, extra={1: ("--slow_while", str(slow), "--slow_step_s", "3")})
+    try:
+        for node in nodes:
+            node.start()
+
+        def jumps() -> int:  # node 1's commits that took it more than one step forward: catch-ups
+            lines = nodes[1].progress()
+            return sum(b["committed"] - a["committed"] > 1 for a, b in itertools.pairwise(lines))
+
+        wait_until(lambda: jumps() >= 2, 240, "node 1 to catch up twice", running=nodes)
+        alone = [p for p in nodes[0].progress() if p["replicas"] == 1]
+        assert len(alone) >= 10, "node 0 waited for the slow node instead of stepping on"
+        together_while_slow = [p for p in nodes[1].progress() if p["replicas"] == 2]
+        assert together_while_slow, "the slow node never committed a step with node 0"
+        slow.unlink()
+        recovered = len(nodes[1].progress())
+        fast_again = lambda: sum(p["replicas"] == 2 for p in nodes[1].progress()[recovered:]) >= 10  # noqa: E731
+        wait_until(fast_again, 120, "node 1 to train with node 0 at its pace", running=nodes)
+        finish(nodes)
+    finally:
+        house.stop()
+    log = nodes[1].log()
+    assert re.search(r"node1 missed \d+ committed step\(s\) and catches up by replaying", log), log[-6000:]
+    assert log.count("catches up by replaying") == 1  # said once; the rest in the summary
+    assert re.search(r"behind and caught up: \d+ catch-up\(s\) by replay", log), log[-3000:]
+    for rank in (0, 1):
+        first, second = nodes[0].result(rank), nodes[1].result(rank)
+        assert first["fingerprint"] == second["fingerprint"], f"rank {rank}: the nodes end with different parameters"
+        assert first["global_step"] == second["global_step"] == 200
+
+
+@pytest.mark.faults
 def test_a_node_started_mid_run_heals_once_reads_its_own_data_and_the_job_grows(patient_lighthouse, tmp_path):
     """NUM_REPLICA_GROUPS=3 declares the job's most nodes; nodes 0 and 1 start, node 2 joins later."""
     rows = 1200  # 400 a node: 100 steps of 4 before a node sees its share twice

@@ -398,6 +398,8 @@ def print_summary(trainer: Trainer, metrics: dict[str, float], headline: Sequenc
     replicas = getattr(unwrap_flexdemo(trainer.optimizer), "managed", None)  # None: not FlexDeMo, or no optimizer
     if replicas is not None:
         print(f"   quorum of live nodes: {replicas.membership_story()}")
+        if replicas.catch_up_story():
+            print(f"   behind and caught up: {replicas.catch_up_story()}")
 
 
 def _bytes(n: float) -> str:

@@ -142,6 +142,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         ft_timeout: float = 30.0,
         quorum_timeout: float = 120.0,
         replay_steps: int = 4,
+        join_quorum: str = "before_forward",
         mesh: DeviceMesh | None = None,
         replicate_dim: str | None = None,
         elementwise: Iterable[torch.Tensor] | None = None,
@@ -177,6 +178,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             ft_timeout=ft_timeout,
             quorum_timeout=quorum_timeout,
             replay_steps=replay_steps,
+            join_quorum=join_quorum,
         )
         self._update_unset = update is None  # a group's sign=False then keeps the sign rule, as sign=False does
         if self.config.update == "orthogonal":
@@ -281,12 +283,13 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         return self._managed
 
     def begin_step(self) -> None:
-        """Fault tolerance: join this step's quorum now, before the forward pass (no-op otherwise).
+        """Fault tolerance: join this step's quorum now, before the forward pass (no-op otherwise, and with
+        ``join_quorum='when_ready'``, which joins in ``step()``).
 
         A node that is behind then takes a peer's parameters before computing its gradient.
         ``step()`` joins by itself if this was not called, one backward pass later.
         """
-        if self._managed is not None:
+        if self._managed is not None and self.config.join_quorum == "before_forward":
             self._managed.begin()
 
     # -- stepping ----------------------------------------------------------------------
@@ -379,8 +382,10 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         decay_on_commit = in_round and not sync_only and not self.scheme.moves_parameters_locally
         if not sync_only and not decay_on_commit:
             self._decay(stepping)
-        # A gradient taken on parameters that a heal replaced, or that a catch-up will move, folds in nothing.
-        stale = healed_now or self._missed is not None
+        # A gradient taken on parameters that a heal replaced, or that a catch-up will move, folds in nothing;
+        # but a node that joins when ready is late on purpose: its gradient counts, at most replay_steps old.
+        late_but_counted = self.config.join_quorum == "when_ready" and self._missed is not None
+        stale = (healed_now or self._missed is not None) and not late_but_counted
         payloads, grad_bytes = [], []
         for bucket in stepping:  # one bucket's stacked gradients at a time: they are folded into its state
             bucket.grad = None if sync_only else self._stacked_grads(bucket, stale)
