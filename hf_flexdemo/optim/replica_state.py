@@ -60,7 +60,11 @@ class ReplicaState:
         behind = self._managed.healing_steps()
         if not behind or min(behind) == 0:
             return None
-        return self._replay.since(min(behind), self._managed.step)
+        missed = self._replay.since(min(behind), self._managed.step)
+        if missed is None:
+            return None
+        # Received payloads are typed views of one byte buffer, which torch.save refuses: each travels as its own.
+        return [dataclasses.replace(step, parts=_copied(step.parts), carried=_copied(step.carried)) for step in missed]
 
     def _logged(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext) -> LoggedStep:
         """This committed step, as a lagging peer would replay it."""
@@ -189,6 +193,15 @@ class ReplicaState:
             moved = self.scheme.moves_parameters_locally or bucket.group["weight_decay"] != 0
             saved.append((bucket, bucket.stacked_params() if moved else None, tensors))
         return saved
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor in it copied into storage of its own."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(item) for item in value)
+    return value
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
