@@ -73,6 +73,8 @@ MAX_FAILED_JOINS = 3
 
 While it fails, the other nodes wait up to ``ft_timeout`` in each step's collective for it, so
 it gives up well before they would (``MAX_UNCOMMITTED``): relaunched, it tries afresh."""
+MAX_STORY_CHANGES = 6
+"""Quorum changes the run summary spells out; the rest are counted, and the last is said."""
 NODE_STATE_KEY = "flexdemo_node"
 """The first entry of the state a healing node receives: the peer's settings, checked before anything loads."""
 
@@ -458,6 +460,9 @@ class ManagedReplicas:
         for (_, before), (step, nodes) in itertools.pairwise(self.membership):
             size = "grew" if len(nodes) > len(before) else "shrank" if len(nodes) < len(before) else "changed"
             parts.append(f"{size} to {len(nodes)} after {step} ({quorum_moves(before, nodes)})")
+        if len(parts) > MAX_STORY_CHANGES + 1:  # a node that is always late comes and goes every few steps
+            hidden = len(parts) - MAX_STORY_CHANGES - 1
+            parts = [*parts[:MAX_STORY_CHANGES], f"{hidden} more change(s)", parts[-1]]
         return "; ".join(parts)
 
     def note_catch_up(self, steps: int, moved: int, copy: int) -> None:

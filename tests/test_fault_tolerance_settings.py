@@ -167,3 +167,9 @@ def test_the_summary_tells_how_the_quorum_grew_and_shrank():
         "shrank to 2 after 120 (node1 left); grew to 3 after 130 (node2 left; node1, node3 joined)"
     )
     assert ManagedReplicas.membership_story(SimpleNamespace(membership=[])) == "no quorum met"
+    # A node that is always late comes and goes every few steps: the story stays one readable line.
+    flapping = [(0, ("node0", "node1"))] + [
+        (10 * i, ("node0", "node1", "node2") if i % 2 else ("node0", "node1")) for i in range(1, 21)
+    ]
+    story = ManagedReplicas.membership_story(SimpleNamespace(membership=flapping))
+    assert story.count("after") == 7 and "14 more change(s)" in story and story.endswith("after 200 (node2 left)")

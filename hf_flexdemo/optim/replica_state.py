@@ -61,8 +61,8 @@ class ReplicaState:
         if not behind or min(behind) == 0:
             return None
         missed = self._replay.since(min(behind), self._managed.step)
-        if missed is None:
-            return None
+        if missed is None or sum(step.nbytes for step in missed) >= self._replica_state_nbytes():
+            return None  # not held, or many steps of a model that compresses little: the copy moves less
         # Received payloads are typed views of one byte buffer, which torch.save refuses: each travels as its own.
         return [dataclasses.replace(step, parts=_copied(step.parts), carried=_copied(step.carried)) for step in missed]
 
