@@ -658,14 +658,19 @@ REPLAYED = {
     "demo_adam": dict(scheme="demo", **UPDATE_RULES["demo_adam"]),
     "demo_shared": dict(scheme="demo", shared_indices=True),
     "random": dict(scheme="random"),
-    "full": dict(scheme="full"),
 }
+"""Schemes that replay; ``full`` sends every entry, so replaying its steps would move more than a copy."""
+
+
+def _wide_params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((64, 48), (48,), (8, 6, 6))]
 
 
 def lagging_pair(settings: dict, replay_steps: int = 4, missed: int = 3):
     """A peer that commits 2 + ``missed`` steps, and a node that committed the first 2 with it, then none."""
-    hp = dict(lr=0.05, weight_decay=0.1, topk=3, chunk=4, rate=0.25, fault_tolerance="torchft") | settings
-    peer_params, mine = _tiny_params(), _tiny_params()
+    hp = dict(lr=0.05, weight_decay=0.1, topk=4, chunk=16, rate=1 / 64, fault_tolerance="torchft") | settings
+    peer_params, mine = _wide_params(), _wide_params()
     peer, node = FlexDeMo(peer_params, replay_steps=replay_steps, **hp), FlexDeMo(mine, **hp)
     peer.attach_managed(LaggingPeers(healing=[2]))
     node.attach_managed(LaggingPeers())
@@ -708,6 +713,12 @@ def test_a_node_further_behind_than_replay_steps_copies_the_whole_state():
     node.load_replica_state(served)
     assert all(torch.equal(a, b) for a, b in zip(mine, peer_params))
     assert node._managed.copied > 0 and node._managed.caught_up is None
+
+
+@pytest.mark.unit
+def test_a_catch_up_that_would_move_more_than_a_copy_is_a_copy():
+    peer, _, _, _ = lagging_pair(dict(scheme="full"), missed=2)  # every entry, twice
+    assert "params" in peer.replica_state()
 
 
 @pytest.mark.unit
