@@ -114,7 +114,7 @@ def step_times(steps: list[tuple[float, dict]], skip: int = 3) -> list[float]:
 
 
 class Lighthouse:
-    def __init__(self, heartbeat_ms: int, log: Path):
+    def __init__(self, heartbeat_ms: int, log: Path, join_timeout_ms: int = 2000):
         self.port = free_port()
         self.address = f"http://127.0.0.1:{self.port}"
         binary = shutil.which("torchft_lighthouse", path=os.path.dirname(sys.executable))
@@ -122,7 +122,7 @@ class Lighthouse:
         self.proc = subprocess.Popen(
             [
                 binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{self.port}",
-                "--heartbeat_timeout_ms", str(heartbeat_ms), "--join_timeout_ms", "2000",
+                "--heartbeat_timeout_ms", str(heartbeat_ms), "--join_timeout_ms", str(join_timeout_ms),
             ],
             stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
