@@ -42,6 +42,8 @@ BAD = [
     (dict(ns_dtype="fp16"), "ns_dtype='fp16'", "'bf16', 'float32'"),
     (dict(update="sign", ns_dtype="float32"), "ns_dtype='float32'", "update='orthogonal'"),
     (dict(replay_steps=-1), "replay_steps=-1", ">= 0"),
+    (dict(fault_tolerance="torchft", join_quorum="late"), "join_quorum='late'", "'before_forward', 'when_ready'"),
+    (dict(join_quorum="when_ready"), "join_quorum='when_ready'", "fault_tolerance=torchft"),
     (dict(replay_steps=8), "replay_steps=8", "fault_tolerance=torchft"),
     (dict(scheme="diloco", fault_tolerance="torchft", replay_steps=8), "replay_steps=8", "Drop replay_steps"),
 ]

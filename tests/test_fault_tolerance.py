@@ -706,6 +706,23 @@ def test_a_node_that_missed_steps_replays_their_payloads_and_ends_bitwise_equal(
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("join_quorum", ["before_forward", "when_ready"])
+def test_a_gradient_taken_before_a_catch_up_counts_only_for_a_node_that_joins_when_ready(join_quorum):
+    peer, node, _, mine = lagging_pair(REPLAYED["demo"] | {"join_quorum": join_quorum})
+    node.load_replica_state(peer.replica_state())
+    node._managed.step = peer._managed.step
+    decay = node.param_groups[0]["decay"]
+    decayed = [node.state[p]["momentum_dct"] * decay for p in mine]
+    for p, g in zip(mine, _grads(9, mine)):
+        p.grad = g
+    node.step()
+    # Without the gradient the momentum is decay * m less what was sent (4 of each tile's 256 coefficients);
+    # with it, lr * DCT(g) moves nearly every entry.
+    moved = [torch.count_nonzero(node.state[p]["momentum_dct"] - d) / d.numel() for p, d in zip(mine, decayed)]
+    assert (join_quorum == "when_ready") == (min(moved) > 0.5), moved
+
+
+@pytest.mark.unit
 def test_a_node_further_behind_than_replay_steps_copies_the_whole_state():
     peer, node, peer_params, mine = lagging_pair(REPLAYED["demo"], replay_steps=2, missed=3)
     served = peer.replica_state()
