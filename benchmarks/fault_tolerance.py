@@ -70,6 +70,9 @@ class Launch:
         self.steps: list[tuple[float, dict]] = []
         self.tail: list[str] = []
         self.said: list[str] = []  # every "FlexDeMo fault tolerance:" line, in full
+        node = env.get("REPLICA_GROUP_ID", "0")
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        self.log = (Path(output_dir) / f"launch_node{node}.log").open("a", buffering=1)  # all of it, for a post-mortem
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -77,6 +80,7 @@ class Launch:
         for line in self.proc.stdout:
             now = time.time()
             self.tail = (self.tail + [line])[-40:]
+            self.log.write(line)
             if "FlexDeMo fault tolerance:" in line:
                 self.said.append(line[line.index("FlexDeMo fault tolerance:") :].strip())
             start = line.find("{'loss'")

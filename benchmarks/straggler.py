@@ -106,8 +106,10 @@ def main() -> None:
     parser.add_argument("--duty", type=float, default=1 / 3, help="share of the time the slow node runs")
     parser.add_argument("--join-quorum", default="before_forward", choices=["before_forward", "when_ready"])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "straggler.json")
+    parser.add_argument("--keep", type=Path, help="write the runs' logs here (default: a temporary folder)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = args.keep or tmp
         window = (args.steps, args.slow_from, args.slow_steps)
         even = run(Path(tmp), *window, None, args.join_quorum)
         straggler = run(Path(tmp), *window, args.duty, args.join_quorum)

@@ -27,8 +27,9 @@ VALUE_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
 }
 PER_STEP_SCHEMES = ("demo", "random", "striding", "full")
-REPLAYABLE_SCHEMES = ("demo", "random", "striding", "full")
-"""Schemes whose parameters move by the exchanged update alone: a lagging node can replay missed steps."""
+REPLAYABLE_SCHEMES = ("demo", "random", "striding")
+"""Schemes whose parameters move by the exchanged update alone, from a compressed payload: a lagging node can
+replay missed steps for less than a copy of the state (``full`` sends every entry: one step is already a copy)."""
 REPLAY_STEPS_DEFAULT = 4
 JOIN_QUORUM = ("before_forward", "when_ready")
 OUTER_STEP_SCHEMES = ("diloco", "sparseloco")
@@ -248,9 +249,10 @@ class FlexDeMoConfig:
             )
         if self.replay_steps not in (0, REPLAY_STEPS_DEFAULT) and self.scheme not in REPLAYABLE_SCHEMES:
             raise ValueError(
-                f"FlexDeMo: replay_steps={self.replay_steps} cannot apply to scheme={self.scheme!r}: its inner steps "
-                "move each node's parameters by its own gradients, so a lagging node always copies the whole state. "
-                f"Drop replay_steps (it applies to {REPLAYABLE_SCHEMES})."
+                f"FlexDeMo: replay_steps={self.replay_steps} cannot apply to scheme={self.scheme!r}: a lagging node "
+                "always copies the whole state (DiLoCo's and SparseLoCo's inner steps move each node's parameters by "
+                f"its own gradients; one step of full is already a copy). Drop replay_steps (it applies to "
+                f"{REPLAYABLE_SCHEMES})."
             )
         if self.overlap and self.fault_tolerant:
             raise ValueError(

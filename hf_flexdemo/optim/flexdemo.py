@@ -76,6 +76,8 @@ class _InFlight:
     """Fault tolerance: what the step changed before its exchange, restored if the node does not commit."""
     decay_on_commit: bool = False
     """Fault tolerance: weight decay waits for the commit (a catch-up replays the missed steps first)."""
+    training: bool = True
+    """A training step, not a ``synchronize()`` round."""
 
 
 class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
@@ -394,7 +396,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             bucket.grad = None
         overlap = self.config.overlap and ctx.replicate and not sync_only
         in_flight = self._start_exchange(stepping, payloads, grad_bytes, ctx, async_op=overlap, topology=topology)
-        in_flight.undo, in_flight.decay_on_commit = undo, decay_on_commit
+        in_flight.undo, in_flight.decay_on_commit, in_flight.training = undo, decay_on_commit, not sync_only
         if overlap:
             self._pending = in_flight
         else:
@@ -414,7 +416,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             self._decay(job.buckets)
         self._decode_and_apply(job.buckets, parts, job.ctx)
         if job.undo is not None:
-            self._replay.record(self._logged(job.buckets, parts, job.ctx))
+            self._replay.record(self._logged(job.buckets, parts, job.ctx, job.training))
         self._count(job, stats)
 
     def _decay(self, buckets: list[Bucket]) -> None:

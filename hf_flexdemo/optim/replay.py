@@ -30,13 +30,16 @@ class LoggedStep:
 
     committed: int
     """The quorum's committed steps once this step committed (torchft's step count)."""
-    ctx: StepContext
+    ctx: StepContext | None
+    """None: a round that exchanged nothing (the parameters did not move)."""
     groups: list[dict[str, Any]]
     """Per bucket: the step's hyperparameters (lr, weight decay, ...), without the parameters."""
     carried: list[Any]
     """Per bucket: what the scheme's ``local_step`` handed to ``apply`` (None: nothing was exchanged)."""
     parts: list[Any]
     """Per bucket: the exchanged payloads ``apply`` decoded (every replica's, in replica order)."""
+    trained: bool = True
+    """A training step (its step count and weight decay are replayed too), not a ``synchronize()`` round."""
 
     @property
     def nbytes(self) -> int:

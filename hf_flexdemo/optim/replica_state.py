@@ -60,13 +60,15 @@ class ReplicaState:
         behind = self._managed.healing_steps()
         if not behind or min(behind) == 0:
             return None
+        # Decided from what every process of this node sees alike (the Lighthouse's page, the steps held), so
+        # all of a healing node's processes replay, or none.
         missed = self._replay.since(min(behind), self._managed.step)
-        if missed is None or sum(step.nbytes for step in missed) >= self._replica_state_nbytes():
-            return None  # not held, or many steps of a model that compresses little: the copy moves less
+        if missed is None:
+            return None
         # Received payloads are typed views of one byte buffer, which torch.save refuses: each travels as its own.
         return [dataclasses.replace(step, parts=_copied(step.parts), carried=_copied(step.carried)) for step in missed]
 
-    def _logged(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext) -> LoggedStep:
+    def _logged(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext, trained: bool) -> LoggedStep:
         """This committed step, as a lagging peer would replay it."""
         return LoggedStep(
             committed=self._managed.step,
@@ -74,6 +76,7 @@ class ReplicaState:
             groups=[{k: v for k, v in bucket.group.items() if k != "params"} for bucket in buckets],
             carried=[bucket.carried for bucket in buckets],
             parts=parts,
+            trained=trained,
         )
 
     def _replica_state_nbytes(self) -> int:
@@ -162,12 +165,14 @@ class ReplicaState:
         device = buckets[0].device
         stepping = []
         for bucket, group, carried in zip(buckets, step.groups, step.carried):
-            bucket.scalars("step", torch.int64).add_(1)
+            if step.trained:
+                bucket.scalars("step", torch.int64).add_(1)
             moved = bucket.for_step(None)
             moved.group.update(group)
             moved.carried = _to_device(carried, device)
             stepping.append(moved)
-        self._decay(stepping)
+        if step.trained:
+            self._decay(stepping)
         if step.ctx is not None:
             self._decode_and_apply(stepping, [_to_device(part, device) for part in step.parts], step.ctx)
 
