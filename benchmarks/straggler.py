@@ -110,6 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = args.keep or tmp
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         window = (args.steps, args.slow_from, args.slow_steps)
         even = run(Path(tmp), *window, None, args.join_quorum)
         straggler = run(Path(tmp), *window, args.duty, args.join_quorum)
@@ -118,7 +119,7 @@ def main() -> None:
         "straggler": straggler,
         "node0_rate_with_straggler_vs_even": straggler["node0_steps_per_s"] / even["node0_steps_per_s"],
     }
-    settings = {key: value for key, value in vars(args).items() if key != "out"}
+    settings = {key: value for key, value in vars(args).items() if key not in ("out", "keep")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": settings, "summary": summary}, indent=1))
     print(json.dumps(summary, indent=1))
