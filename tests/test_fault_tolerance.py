@@ -726,6 +726,25 @@ def test_a_gradient_taken_before_a_catch_up_counts_only_for_a_node_that_joins_wh
 
 
 @pytest.mark.unit
+def test_a_node_with_steps_to_replay_numbers_its_next_step_as_its_peers_do():
+    """random picks its entries by step number: a node still to replay must pick the peers' entries."""
+    peer, node, peer_params, mine = lagging_pair(REPLAYED["random"])
+    node.load_replica_state(peer.replica_state())
+    node._managed.step = peer._managed.step
+    steps = {}
+    for name, opt, params in (("peer", peer, peer_params), ("node", node, mine)):
+        local_step = opt.scheme.local_step
+        opt.scheme.local_step = lambda bucket, ctx, _f=local_step, _n=name: (
+            steps.setdefault(_n, ctx.step) and _f(bucket, ctx)
+        )
+        for p, g in zip(params, _grads(9, params)):
+            p.grad = g
+        opt.step()
+    assert steps["node"] == steps["peer"], steps
+    assert torch.equal(node.state[mine[0]]["step"], peer.state[peer_params[0]]["step"])
+
+
+@pytest.mark.unit
 def test_a_node_further_behind_than_replay_steps_copies_the_whole_state():
     peer, node, peer_params, mine = lagging_pair(REPLAYED["demo"], replay_steps=2, missed=3)
     served = peer.replica_state()

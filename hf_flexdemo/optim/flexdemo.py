@@ -357,7 +357,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             # Decided after healing, so every node decides alike; the round closes with nothing sent.
             if managed.commit():
                 self._catch_up()
-                self._replay.record(LoggedStep(managed.step, None, [], [], []))  # a round that changed nothing
+                self._replay.record(LoggedStep(managed.step, None, [], [], [], trained=False))  # nothing changed
             return False
         topology = ReplicaTopology.single() if creating_state else self.topology
         if not sync_only:
@@ -366,7 +366,9 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             for bucket in buckets:
                 bucket.scalars("step", torch.int64).add_(1)
             self._host_step = taken + 1
-        step = self._steps_taken()
+        # Steps still to replay count: the step number picks random's entries and replicate_every's exchanges,
+        # which every replica of the quorum must pick alike.
+        step = self._steps_taken() + self._steps_to_replay()
         if sync_only and not in_round and not self._needs_sync():
             return False
         ctx = StepContext(

@@ -133,6 +133,10 @@ class ReplicaState:
         self._missed = pending + missed
         self._managed.note_catch_up(len(missed), sum(step.nbytes for step in missed), self._replica_state_nbytes())
 
+    def _steps_to_replay(self) -> int:
+        """Training steps this node missed and has not replayed yet."""
+        return sum(step.trained for step in self._missed or ())
+
     def _catch_up(self) -> None:
         """At a commit: replay the steps this node missed, once every process of the node agrees on them."""
         pending = self._missed or []
