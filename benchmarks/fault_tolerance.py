@@ -23,6 +23,7 @@ import argparse
 import ast
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -70,6 +71,7 @@ class Launch:
         self.steps: list[tuple[float, dict]] = []
         self.tail: list[str] = []
         self.said: list[str] = []  # every "FlexDeMo fault tolerance:" line, in full
+        self.eval_loss: float | None = None
         node = env.get("REPLICA_GROUP_ID", "0")
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         self.log = (Path(output_dir) / f"launch_node{node}.log").open("a", buffering=1)  # all of it, for a post-mortem
@@ -81,6 +83,9 @@ class Launch:
             now = time.time()
             self.tail = (self.tail + [line])[-40:]
             self.log.write(line)
+            final = re.search(r"eval_loss\s*=\s*([\d.]+)", line)  # the script's closing evaluation
+            if final:
+                self.eval_loss = float(final[1])
             if "FlexDeMo fault tolerance:" in line:
                 self.said.append(line[line.index("FlexDeMo fault tolerance:") :].strip())
             start = line.find("{'loss'")

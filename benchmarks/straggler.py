@@ -63,14 +63,17 @@ def rate(launch: Launch, first: int, last: int) -> float:
     return (c1 - c0) / (t1 - t0)
 
 
-def run(work: Path, steps: int, slow_from: int, slow_steps: int, duty: float | None, join_quorum: str) -> dict:
+def run(
+    work: Path, steps: int, slow_from: int, slow_steps: int, duty: float | None, join_quorum: str, seed: int
+) -> dict:
     # Joining when ready, a late member is waited for 0.5 s (the Lighthouse's join timeout), not a whole step.
     lighthouse = Lighthouse(2000, work / "lighthouse.log", join_timeout_ms=500 if join_quorum == "when_ready" else 2000)
     out = work / ("straggler" if duty else "even")
     stop = threading.Event()
     optim_args = f"{OPTIM_ARGS},join_quorum={join_quorum},replay_steps=32"
     try:
-        nodes = [Launch(FT_CONFIG, out, steps, node_env(lighthouse, n), optim_args) for n in range(3)]
+        extra = ("--seed", str(seed))
+        nodes = [Launch(FT_CONFIG, out, steps, node_env(lighthouse, n), optim_args, extra) for n in range(3)]
         while nodes[0].committed() < slow_from:
             if nodes[0].proc.poll() is not None:
                 raise RuntimeError("node 0 ended early:\n" + "".join(nodes[0].tail))
@@ -93,6 +96,7 @@ def run(work: Path, steps: int, slow_from: int, slow_steps: int, duty: float | N
         "node0_steps_per_s": rate(nodes[0], *window),
         "node1_steps_per_s": rate(nodes[1], *window),
         "live_replicas": sorted({s["flexdemo/live_replicas"] for _, s in nodes[0].steps}),
+        "eval_loss": [node.eval_loss for node in nodes],
         "node2_lines": [line for line in nodes[2].said if "catch" in line or "took the parameters" in line],
         "node2_summary": [line.strip() for line in nodes[2].tail if "behind and caught up" in line],
     }
@@ -105,6 +109,7 @@ def main() -> None:
     parser.add_argument("--slow-steps", type=int, default=30)
     parser.add_argument("--duty", type=float, default=1 / 3, help="share of the time the slow node runs")
     parser.add_argument("--join-quorum", default="before_forward", choices=["before_forward", "when_ready"])
+    parser.add_argument("--seed", type=int, default=42, help="the training script's seed (data order, init)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "straggler.json")
     parser.add_argument("--keep", type=Path, help="write the runs' logs here (default: a temporary folder)")
     args = parser.parse_args()
@@ -112,8 +117,8 @@ def main() -> None:
         tmp = args.keep or tmp
         Path(tmp).mkdir(parents=True, exist_ok=True)
         window = (args.steps, args.slow_from, args.slow_steps)
-        even = run(Path(tmp), *window, None, args.join_quorum)
-        straggler = run(Path(tmp), *window, args.duty, args.join_quorum)
+        even = run(Path(tmp), *window, None, args.join_quorum, args.seed)
+        straggler = run(Path(tmp), *window, args.duty, args.join_quorum, args.seed)
     summary = {
         "even": even,
         "straggler": straggler,
