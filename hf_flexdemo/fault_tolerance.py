@@ -451,6 +451,26 @@ class ManagedReplicas:
             f"nodes wait for each other. {lighthouse_status(self.identity.lighthouse)}."
         )
 
+    def ending_note(self) -> str:
+        """A warning when this node's last quorum held fewer nodes than it trained with ("" otherwise).
+
+        Nodes that finished (or left) while this one was late committed steps it never saw: its final
+        parameters may then differ from theirs. Said at the end of training, in one line.
+        """
+        if not self.membership:
+            return ""
+        largest = max(self.membership, key=lambda seen: len(seen[1]))[1]
+        step, last = self.membership[-1]
+        if len(last) >= len(largest):
+            return ""
+        gone = ", ".join(node for node in largest if node not in last)
+        return (
+            f"FlexDeMo fault tolerance: {self.identity.name} ended in a quorum of {len(last)} node(s) "
+            f"({', '.join(last)}) from {step} committed steps on, without {gone}, who trained with it before. If they "
+            f"finished while it was late, their parameters hold steps this node never saw: take the job's final "
+            f"model from the node that committed the most steps ({self.step} here; each node's summary says its own)."
+        )
+
     def membership_story(self) -> str:
         """How the quorum grew and shrank while this node was in it, in one line."""
         if not self.membership:
@@ -463,7 +483,7 @@ class ManagedReplicas:
         if len(parts) > MAX_STORY_CHANGES + 1:  # a node that is always late comes and goes every few steps
             hidden = len(parts) - MAX_STORY_CHANGES - 1
             parts = [*parts[:MAX_STORY_CHANGES], f"{hidden} more change(s)", parts[-1]]
-        return "; ".join(parts)
+        return "; ".join(parts) + f"; {self.step} committed steps in all"
 
     def note_catch_up(self, steps: int, moved: int, copy: int) -> None:
         """This round's heal is a replay of ``steps`` missed steps (``moved`` bytes; a full copy: ``copy``)."""

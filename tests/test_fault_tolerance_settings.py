@@ -155,21 +155,38 @@ def test_the_summary_tells_how_the_quorum_grew_and_shrank():
     from hf_flexdemo.fault_tolerance import ManagedReplicas
 
     seen = SimpleNamespace(
+        step=140,
         membership=[
             (0, ("node0", "node1")),
             (51, ("node0", "node1", "node2")),
             (120, ("node0", "node2")),
             (130, ("node0", "node1", "node3")),
-        ]
+        ],
     )
     assert ManagedReplicas.membership_story(seen) == (
         "2 node(s) (node0, node1) after 0 committed steps; grew to 3 after 51 (node2 joined); "
-        "shrank to 2 after 120 (node1 left); grew to 3 after 130 (node2 left; node1, node3 joined)"
+        "shrank to 2 after 120 (node1 left); grew to 3 after 130 (node2 left; node1, node3 joined); "
+        "140 committed steps in all"
     )
     assert ManagedReplicas.membership_story(SimpleNamespace(membership=[])) == "no quorum met"
     # A node that is always late comes and goes every few steps: the story stays one readable line.
     flapping = [(0, ("node0", "node1"))] + [
         (10 * i, ("node0", "node1", "node2") if i % 2 else ("node0", "node1")) for i in range(1, 21)
     ]
-    story = ManagedReplicas.membership_story(SimpleNamespace(membership=flapping))
-    assert story.count("after") == 7 and "14 more change(s)" in story and story.endswith("after 200 (node2 left)")
+    story = ManagedReplicas.membership_story(SimpleNamespace(membership=flapping, step=205))
+    assert story.count("after") == 7 and "14 more change(s)" in story
+    assert story.endswith("shrank to 2 after 200 (node2 left); 205 committed steps in all")
+
+
+def test_a_node_that_ends_in_a_smaller_quorum_than_it_trained_with_says_its_model_may_lag():
+    from types import SimpleNamespace
+
+    from hf_flexdemo.fault_tolerance import ManagedReplicas, NodeIdentity
+
+    identity = NodeIdentity("http://127.0.0.1:1", 2, 3)
+    three = (0, ("node0", "node1", "node2"))
+    ended_alone = SimpleNamespace(identity=identity, step=69, membership=[three, (68, ("node2",))])
+    note = ManagedReplicas.ending_note(ended_alone)
+    assert "node2 ended in a quorum of 1 node(s) (node2) from 68 committed steps on, without node0, node1" in note
+    assert "take the job's final model from the node that committed the most steps (69 here" in note
+    assert ManagedReplicas.ending_note(SimpleNamespace(identity=identity, step=70, membership=[three])) == ""

@@ -156,6 +156,9 @@ class NodePosition(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kw):
         self.replicas.check_trained()
+        note = self.replicas.ending_note()
+        if note and args.process_index == 0:
+            logger.warning(note)
 
     def on_save(self, args, state, control, **kw):
         if args.should_save:
