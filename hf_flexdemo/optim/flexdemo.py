@@ -345,6 +345,10 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         if managed is None:
             self.topology  # noqa: B018  (decides the topology and state layout on first use)
         in_round = managed is not None and not creating_state
+        if in_round and sync_only and self.config.join_quorum == "when_ready" and not self._needs_sync():
+            # Nothing to exchange, so no round: a node late for a quorum could otherwise meet this round with
+            # its training step, whose collectives are not this round's. It catches up at a training step.
+            return False
         healed_now = False
         if in_round:
             if sync_only and "step" not in self.state.get(first, {}):

@@ -182,8 +182,9 @@ class ReplicaState:
 
     def _describe_layout(self) -> dict[str, Any]:
         """Settings and shapes every node must share, compared when a node first meets the others."""
-        # Each node's own: they change nothing the others compute (join_quorum: only when this node asks).
-        local_only = ("ft_timeout", "quorum_timeout", "replay_steps", "join_quorum")
+        # Each node's own: they change nothing the others compute. join_quorum is not: nodes that join when
+        # ready skip the rounds of synchronize(), which the others would wait in.
+        local_only = ("ft_timeout", "quorum_timeout", "replay_steps")
         settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in local_only}
         return {
             "settings": settings,
