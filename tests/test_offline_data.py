@@ -69,3 +69,33 @@ def test_a_resumed_run_reuses_the_saved_tokenizer_and_training_is_deterministic(
     resumed = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", resume_from_checkpoint="auto")
     loaded = shared_tokenizer(lambda: pytest.fail("a resumed run must not train a new tokenizer"), resumed)
     assert loaded.get_vocab() == first.get_vocab()
+
+
+def test_nodes_saving_the_tokenizer_into_one_folder_never_leave_a_half_written_file(tmp_path):
+    """Fault-tolerant nodes share output_dir: each node's main process saves while the others read."""
+    import json
+    import threading
+
+    from offline_data import bpe_tokenizer, save_atomically
+
+    tokenizer = bpe_tokenizer(english_paragraphs()[:200], 300)
+    path = tmp_path / "offline_tokenizer"
+    save_atomically(tokenizer, path)
+    bad, done = [], threading.Event()
+
+    def read_until_done():
+        while not done.is_set():
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                try:
+                    json.loads((path / name).read_text())
+                except json.JSONDecodeError as e:
+                    bad.append(f"{name}: {e}")
+
+    reader = threading.Thread(target=read_until_done)
+    reader.start()
+    for _ in range(20):
+        save_atomically(tokenizer, path)
+    done.set()
+    reader.join()
+    assert not bad, bad[:3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["offline_tokenizer"]  # no scratch folder left

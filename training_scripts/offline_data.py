@@ -18,6 +18,8 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -112,13 +114,30 @@ def shared_tokenizer(train: Callable[[], PreTrainedTokenizerFast], args: Trainin
     resuming = resuming or newest_complete(Path(args.output_dir)) is not None
     with args.main_process_first(local=False, desc="training the tokenizer"):
         if args.process_index == 0 and not (resuming and (path / "tokenizer.json").exists()):
-            train().save_pretrained(path)
+            save_atomically(train(), path)
         elif not (path / "tokenizer.json").exists():
             raise FileNotFoundError(
                 f"{path} is missing: the offline presets train the tokenizer on the main process, so "
                 "--output_dir must be on a filesystem that every process sees."
             )
         return PreTrainedTokenizerFast.from_pretrained(path)
+
+
+def save_atomically(tokenizer: PreTrainedTokenizerFast, path: Path) -> None:
+    """Save into ``path`` file by file with ``os.replace``: a reader never sees a half-written file.
+
+    Fault-tolerant nodes are jobs of their own that share ``output_dir``: each node's main process
+    trains the same tokenizer and saves it while the others may be reading it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        tokenizer.save_pretrained(scratch)
+        path.mkdir(parents=True, exist_ok=True)
+        for written in scratch.iterdir():
+            os.replace(written, path / written.name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def t5_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
