@@ -467,8 +467,9 @@ class ManagedReplicas:
         return (
             f"FlexDeMo fault tolerance: {self.identity.name} ended in a quorum of {len(last)} node(s) "
             f"({', '.join(last)}) from {step} committed steps on, without {gone}, who trained with it before. If they "
-            f"finished while it was late, their parameters hold steps this node never saw: take the job's final "
-            f"model from the node that committed the most steps ({self.step} here; each node's summary says its own)."
+            f"finished while it was late, the nodes' last steps differ: take the job's final model from a node of the "
+            f"largest last quorum (each node's summary line 'quorum of live nodes' says its own; {self.step} committed "
+            "steps here)."
         )
 
     def membership_story(self) -> str:
