@@ -46,6 +46,15 @@ class LoggedStep:
         return _nbytes(self.parts) + _nbytes(self.carried)
 
 
+def map_tensors(value: Any, fn) -> Any:
+    """``value`` (tensors in nested lists and tuples) with ``fn`` applied to every tensor."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(item, fn) for item in value)
+    return value
+
+
 def _nbytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()

@@ -19,7 +19,7 @@ from ..dtensor_utils import local_tensor
 from ..schemes.base import StepContext
 from ..state_store import StateView
 from ..topology import ReplicaTopology
-from .replay import LoggedStep
+from .replay import LoggedStep, map_tensors
 
 
 class ReplicaState:
@@ -66,7 +66,12 @@ class ReplicaState:
         if missed is None:
             return None
         # Received payloads are typed views of one byte buffer, which torch.save refuses: each travels as its own.
-        return [dataclasses.replace(step, parts=_copied(step.parts), carried=_copied(step.carried)) for step in missed]
+        return [
+            dataclasses.replace(
+                step, parts=map_tensors(step.parts, torch.clone), carried=map_tensors(step.carried, torch.clone)
+            )
+            for step in missed
+        ]
 
     def _logged(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext, trained: bool) -> LoggedStep:
         """This committed step, as a lagging peer would replay it."""
@@ -173,12 +178,12 @@ class ReplicaState:
                 bucket.scalars("step", torch.int64).add_(1)
             moved = bucket.for_step(None)
             moved.group.update(group)
-            moved.carried = _to_device(carried, device)
+            moved.carried = map_tensors(carried, lambda t: t.to(device))
             stepping.append(moved)
         if step.trained:
             self._decay(stepping)
         if step.ctx is not None:
-            self._decode_and_apply(stepping, [_to_device(part, device) for part in step.parts], step.ctx)
+            self._decode_and_apply(stepping, map_tensors(step.parts, lambda t: t.to(device)), step.ctx)
 
     def _describe_layout(self) -> dict[str, Any]:
         """Settings and shapes every node must share, compared when a node first meets the others."""
@@ -203,26 +208,6 @@ class ReplicaState:
             moved = self.scheme.moves_parameters_locally or bucket.group["weight_decay"] != 0
             saved.append((bucket, bucket.stacked_params() if moved else None, tensors))
         return saved
-
-
-def _copied(value: Any) -> Any:
-    """``value`` with every tensor in it copied into storage of its own."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copied(item) for item in value)
-    return value
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor in it on ``device`` (a peer's payloads may arrive on the host)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, list):
-        return [_to_device(item, device) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_to_device(item, device) for item in value)
-    return value
 
 
 def restore(saved: list) -> None:
