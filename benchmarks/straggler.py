@@ -15,6 +15,7 @@ nobody slowed. Measured: node 0's steps per second over the same committed steps
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import signal
 import tempfile
@@ -99,7 +100,14 @@ def run(
         "eval_loss": [node.eval_loss for node in nodes],
         "node2_lines": [line for line in nodes[2].said if "catch" in line or "took the parameters" in line],
         "node2_summary": [line.strip() for line in nodes[2].tail if "behind and caught up" in line],
+        "final_models_identical": len({model_digest(out / f"node{n}") for n in range(3)}) == 1,
+        "stayed_for_a_late_node": [line for node in nodes for line in node.said if "stays for" in line],
     }
+
+
+def model_digest(node_dir: Path) -> str:
+    """SHA-256 of the final model a node saved (each node of a fault-tolerant job saves its own)."""
+    return hashlib.sha256((node_dir / "model.safetensors").read_bytes()).hexdigest()
 
 
 def main() -> None:

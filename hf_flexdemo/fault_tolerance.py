@@ -49,6 +49,7 @@ from .lighthouse import (
     import_torchft,
     job_state_verdict,
     lighthouse_status,
+    node_of,
     read_lighthouse,
 )
 from .topology import ReplicaTopology
@@ -77,6 +78,10 @@ MAX_STORY_CHANGES = 6
 """Quorum changes the run summary spells out; the rest are counted, and the last is said."""
 NODE_STATE_KEY = "flexdemo_node"
 """The first entry of the state a healing node receives: the peer's settings, checked before anything loads."""
+ROUND_STATE_KEY = "flexdemo_round"
+"""The second entry: whether the peer has finished training (the round is then a closing round)."""
+CLOSING_POLL_S = 0.2
+"""How often a node that finished training looks for a late node waiting to catch up."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +184,10 @@ class ManagedReplicas:
             ) from e
         # Registered first, so a healing node checks the peer's settings before loading anything.
         self.manager.register_state_dict_fn(NODE_STATE_KEY, self._check_peer, self._describe)
+        self.manager.register_state_dict_fn(ROUND_STATE_KEY, self._take_round, lambda: {"finished": self.finished})
+        self.finished = False
+        """Whether this node has finished training: every round it joins from then on is a closing round."""
+        self._final_step = 0  # torchft's committed steps when the job's last training step had committed
         self._rank = rank
         self._quorum = QuorumWatch(self.manager)
         self._undone = 0  # steps undone on this node since the quorum last changed
@@ -230,6 +239,10 @@ class ManagedReplicas:
                 f"peer: {type(e).__name__}: {e}"
             ) from e
         self._healed = True
+
+    def _take_round(self, peer: dict[str, Any]) -> None:
+        if peer["finished"]:
+            self.finished = True
 
     def describe(self, part: str, describe: Callable[[], Any]) -> None:
         """What must be equal on every node (settings, shapes): compared when a node first takes a peer's state."""
@@ -300,6 +313,8 @@ class ManagedReplicas:
                 error.original_exception,
             )
         self._say_quorum_change(previous)
+        if self.finished and not self._final_step:  # a late node healed from one that finished: so does it
+            self._final_step = self.manager.current_step()
         if not self._settled:  # also after a failed first heal: the nodes it was to heal from may leave
             self._check_job_state(self._job)
         if self._healed and self._catch_up is not None:
@@ -400,8 +415,11 @@ class ManagedReplicas:
         """Whether this step's quorum is joined and not yet committed."""
         return self._round_open
 
-    def commit(self) -> bool:
-        """Every process of the node agrees whether the step stands; False: undo it."""
+    def commit(self, trained: bool = True) -> bool:
+        """Every process of the node agrees whether the step stands; False: undo it.
+
+        ``trained``: whether the round trained a step (not a round of ``synchronize()`` or a closing one), for the
+        samples it counts."""
         self._round_open = False
         error = self.manager.errored()
         live = self.manager.num_participants()
@@ -409,7 +427,7 @@ class ManagedReplicas:
         if committed:
             self._uncommitted = 0
             self._settled = True
-            self.committed_node_steps += live
+            self.committed_node_steps += live if trained else 0
             return True
         self._uncommitted += 1
         self._undone += 1
@@ -450,6 +468,70 @@ class ManagedReplicas:
             f"start the Lighthouse with --min_replicas {self.config.min_replicas} (the job's min_replicas) so that "
             f"nodes wait for each other. {lighthouse_status(self.identity.lighthouse)}."
         )
+
+    def close(self, closing_round: Callable[[], None]) -> None:
+        """At the end of training: stay while a live node is still on its last step, so that it ends on the same model.
+
+        With ``join_quorum='when_ready'`` the job's last step can commit without a late node; were the others to
+        leave, it would commit a last step of its own. So a node that finished joins a closing round whenever one
+        waits at the Lighthouse: nothing is exchanged, the late node catches up (by replay, or a copy) and finishes
+        too, and ``closing_round()`` commits the round. It leaves once every heartbeating node has finished (it was
+        in this node's last round, or in a round after the job's last step), or after ``quorum_timeout``.
+        """
+        if not self._met:
+            return
+        self.finished = True
+        self._final_step = self._final_step or self.manager.current_step()
+        finished = set(self._quorum.members)
+        deadline = time.monotonic() + self.config.quorum_timeout
+        said = False
+        while True:
+            action, training = self._closing_action(finished, deadline)
+            if action == "round":
+                self.begin()
+                closing_round()
+            elif action == "wait":
+                if not said and self._rank == 0:
+                    logger.warning(
+                        "FlexDeMo fault tolerance: %s finished training and stays for %s, still on its last step "
+                        "(at most quorum_timeout=%g s), so that it ends on the same model.",
+                        self.identity.name,
+                        ", ".join(training),
+                        self.config.quorum_timeout,
+                    )
+                said = True
+                time.sleep(CLOSING_POLL_S)
+            else:
+                if action == "give up" and self._rank == 0:
+                    logger.warning(
+                        "FlexDeMo fault tolerance: %s stops waiting for %s after quorum_timeout=%g s; a node that "
+                        "finishes its last step after this one left commits it without it and may end on another "
+                        "model (its summary says so).",
+                        self.identity.name,
+                        ", ".join(training),
+                        self.config.quorum_timeout,
+                    )
+                return
+
+    def _closing_action(self, finished: set[str], deadline: float) -> tuple[str, list[str]]:
+        """What a node that finished does next: ``round``, ``wait``, ``done`` or ``give up``; decided on rank 0."""
+        decision: list = [("done", [])]
+        if self._rank == 0:
+            view = read_lighthouse(self.identity.lighthouse)
+            if view.job_step >= self._final_step:  # a round after the job's last step: its nodes have finished
+                finished.update(node_of(replica) for replica in view.last_quorum)
+            training = sorted({node_of(replica) for replica in view.heartbeating} - finished - {self.identity.name})
+            if view.error:
+                decision[0] = ("done", [])
+            elif view.waiting:
+                decision[0] = ("round", training)
+            elif not training:
+                decision[0] = ("done", [])
+            else:
+                decision[0] = ("give up" if time.monotonic() > deadline else "wait", training)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(decision, src=0)
+        return decision[0]
 
     def ending_note(self) -> str:
         """A warning when this node's last quorum held fewer nodes than it trained with ("" otherwise).
@@ -529,14 +611,17 @@ class ManagedReplicas:
         rank = self.manager.participating_rank()
         return ManagedTopology(group=None, size=self.manager.num_participants(), rank=rank or 0, replicas=self)
 
-    def fingerprints_of_leaders(self, fingerprint: torch.Tensor, unapplied: int = 0) -> list[int]:
+    def fingerprints_of_leaders(
+        self, fingerprint: torch.Tensor, unapplied: int = 0, closing: bool = False
+    ) -> list[int]:
         """Parameter checksums of the last quorum's nodes that committed the most steps ([] if it failed).
 
         A node that missed a commit differs on purpose until its next quorum heals it, and one whose
-        parameters still lack ``unapplied`` steps it will replay counts as that far behind.
+        parameters still lack ``unapplied`` steps it will replay counts as that far behind. After training
+        (:meth:`close`) only a closing round compares: the others no longer join this node's collectives.
         """
         topology = self.topology()
-        if topology.size == 1:
+        if topology.size == 1 or (self.finished and not closing):
             return [int(fingerprint)]
         mine = torch.tensor([self.step - unapplied, int(fingerprint)], dtype=torch.int64, device=self.device)
         gathered = torch.zeros(2 * topology.size, dtype=torch.int64, device=self.device)

@@ -118,6 +118,8 @@ class LighthouseView:
     """Replica id -> committed steps, for each member of the last quorum."""
     heartbeating: frozenset[str] = frozenset()
     """Replica ids heard from within the Lighthouse's heartbeat timeout."""
+    waiting: int = 0
+    """Heartbeating nodes that have asked for the next quorum and wait for it to form."""
     error: str = ""
     """Why the page could not be read ("" when it was)."""
 
@@ -154,10 +156,12 @@ def read_lighthouse(address: str, timeout: float = 2.0) -> LighthouseView:
     previous = page.split("Previous Quorum", 1)[-1].split("Heartbeats", 1)[0] if "Previous Quorum" in page else ""
     members = re.findall(r"<b>\s*(node\d+:[^<\s]*)\s*</b>\s*<br/>\s*Step:\s*(\d+)", previous)
     beats = re.findall(r'<li class="heartbeat\s*(old)?\s*">\s*(node\d+:[^:\s<]*):', page.split("Heartbeats", 1)[-1])
+    waiting = re.search(r"\[(\d+)/\d+ participants healthy\]", status.group(1) if status else "")
     return LighthouseView(
         status=status.group(1).strip() if status else "",
         last_quorum={replica: int(step) for replica, step in members},
         heartbeating=frozenset(replica for old, replica in beats if not old),  # "old": past the heartbeat timeout
+        waiting=int(waiting.group(1)) if waiting else 0,
     )
 
 

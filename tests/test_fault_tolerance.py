@@ -19,7 +19,7 @@ from support.ft_nodes import Lighthouse, Node, free_port, wait_until
 
 from hf_flexdemo import FlexDeMo
 from hf_flexdemo.integrations.checkpoints import MARKER
-from hf_flexdemo.topology import ReplicaTopology
+from hf_flexdemo.topology import ReplicaTopology, parameter_fingerprint
 
 pytest.importorskip("torchft", reason="torchft is part of the test install (setup.cfg [test])")
 
@@ -203,7 +203,8 @@ def test_a_slow_node_that_joins_when_ready_is_left_out_catches_up_and_contribute
     """join_quorum=when_ready, three 1-process nodes: node 2 takes 3 s a step, the others a tenth of that. They do
     not wait for it (the Lighthouse waits 0.5 s for a late member, and two of three heartbeating nodes are a
     majority); node 2 is left out of the steps it is late for, catches up by replay and commits with them when it
-    is in time. Once fast again it trains with them every step, and all three end bitwise equal."""
+    is in time. Once fast again it trains with them every step. Slow again, it is late for the job's last step:
+    the others stay until it has caught up, and all three end bitwise equal."""
     house = Lighthouse(tmp_path / "lighthouse.log", join_timeout_ms=500)
     slow = tmp_path / "node2_is_slow"
     slow.touch()
@@ -226,6 +227,7 @@ def test_a_slow_node_that_joins_when_ready_is_left_out_catches_up_and_contribute
         recovered = len(nodes[2].progress())
         fast_again = lambda: sum(p["replicas"] == 3 for p in nodes[2].progress()[recovered:]) >= 10  # noqa: E731
         wait_until(fast_again, 120, "node 2 to train with the others at their pace", running=nodes)
+        slow.touch()  # late again, to the end: the others finish their 200 steps first
         finish(nodes)
     finally:
         house.stop()
@@ -233,6 +235,9 @@ def test_a_slow_node_that_joins_when_ready_is_left_out_catches_up_and_contribute
     assert re.search(r"node2 missed \d+ committed step\(s\) and catches up by replaying", log), log[-6000:]
     assert log.count("catches up by replaying") == 1  # said once; the rest in the summary
     assert re.search(r"behind and caught up: \d+ catch-up\(s\) by replay", log), log[-3000:]
+    for node in nodes[:2]:
+        assert "finished training and stays for node2, still on its last step" in node.log(), node.log()[-3000:]
+    assert not any("ended in a quorum of" in node.log() for node in nodes)  # no node ends on its own last step
     results = [node.result(0) for node in nodes]
     assert len({r["fingerprint"] for r in results}) == 1, "the nodes end with different parameters"
     assert all(r["global_step"] == 200 for r in results)
@@ -531,6 +536,7 @@ class OneReplicaQuorum:
     def __init__(self, commits: list[bool]):
         self.commits, self.round_open, self.served = list(commits), False, {}
         self.step = self.steps_before_quorum = 0  # committed steps, as torchft counts them
+        self.finished = False  # whether the node (or the peer it healed from) finished training
 
     def register(self, key, state, load):
         self.served[key] = (state, load)
@@ -542,7 +548,7 @@ class OneReplicaQuorum:
         self.round_open = True
         return False
 
-    def commit(self) -> bool:
+    def commit(self, trained: bool = True) -> bool:
         self.round_open = False
         committed = self.commits.pop(0)
         self.step += committed
@@ -651,6 +657,10 @@ class LaggingPeers(OneReplicaQuorum):
     def note_copy(self, copied):
         self.copied = copied
 
+    def fingerprints_of_leaders(self, fingerprint, unapplied=0, closing=False):
+        self.compared = int(fingerprint)
+        return [int(fingerprint)]
+
 
 REPLAYED = {
     "demo": dict(scheme="demo", value_bits=2, rounding="stochastic"),
@@ -706,6 +716,23 @@ def test_a_node_that_missed_steps_replays_their_payloads_and_ends_bitwise_equal(
                 assert torch.equal(node.state[p][key], peer.state[q][key]), key
     assert node.param_groups[0]["lr"] == peer.param_groups[0]["lr"]
     assert [step.committed for step in node._replay._steps][-2:] == [missed[-1], missed[-1] + 1]  # it serves on
+
+
+@pytest.mark.unit
+def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_past_the_end():
+    """The closing round: the peer finished training; the node's step catches up and sends nothing."""
+    peer, node, peer_params, mine = lagging_pair(REPLAYED["demo"] | {"join_quorum": "when_ready"})
+    node.load_replica_state(peer.replica_state())
+    node._managed.step = peer._managed.step
+    node._managed.finished = True  # what the finished peer serves under ROUND_STATE_KEY
+    momentum = [node.state[p]["momentum_dct"].clone() for p in mine]
+    for p, g in zip(mine, _grads(9, mine)):
+        p.grad = g
+    node.step()
+    assert all(torch.equal(a, b) for a, b in zip(mine, peer_params))
+    assert all(int(node.state[p]["step"]) == int(peer.state[q]["step"]) for p, q in zip(mine, peer_params))
+    assert all(torch.equal(node.state[p]["momentum_dct"], m) for p, m in zip(mine, momentum))  # gradient dropped
+    assert node._managed.compared == int(parameter_fingerprint(mine))  # the round compares the nodes' parameters
 
 
 @pytest.mark.unit

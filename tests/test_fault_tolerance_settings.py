@@ -190,3 +190,29 @@ def test_a_node_that_ends_in_a_smaller_quorum_than_it_trained_with_says_its_mode
     assert "node2 ended in a quorum of 1 node(s) (node2) from 68 committed steps on, without node0, node1" in note
     assert "take the job's final model from a node of the largest last quorum" in note and "69 committed" in note
     assert ManagedReplicas.ending_note(SimpleNamespace(identity=identity, step=70, membership=[three])) == ""
+
+
+def test_the_lighthouse_view_counts_the_nodes_waiting_for_a_quorum():
+    """A node that finished training joins a closing round only when a late node waits for one."""
+    import threading
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient, LighthouseServer
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=100, heartbeat_timeout_ms=60_000)
+    try:
+        address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+        client = LighthouseClient(address, timedelta(seconds=5))
+        client.heartbeat("node0:a")
+        client.heartbeat("node1:b")
+        assert read_lighthouse(address).waiting == 0
+        quorum = dict(timeout=timedelta(seconds=30), address="x", store_address="y", world_size=1, shrink_only=False)
+        late = threading.Thread(target=lambda: client.quorum(replica_id="node1:b", step=3, **quorum))
+        late.start()
+        wait_for(lambda: read_lighthouse(address).waiting == 1, 10, "node1 to wait for a quorum", poll=0.05)
+        client.quorum(replica_id="node0:a", step=4, **quorum)  # the finished node joins: the round forms
+        late.join(10)
+        view = read_lighthouse(address)
+        assert view.waiting == 0 and view.last_quorum == {"node0:a": 4, "node1:b": 3}
+    finally:
+        server.shutdown()

@@ -28,6 +28,7 @@ from transformers import TrainerCallback
 
 from ..config import FlexDeMoConfig
 from ..fault_tolerance import ManagedReplicas, NodeIdentity, import_torchft, node_replicas
+from ..optim.flexdemo import unwrap_flexdemo
 from .accelerate_plugin import default_layout
 from .checkpoints import CheckpointCallback
 
@@ -54,12 +55,12 @@ def prepare_fault_tolerant_trainer(trainer, config: FlexDeMoConfig) -> None:
         trainer.train_dataset = split_by_node(trainer.train_dataset, identity)
     device = trainer.accelerator.device
     replicas = node_replicas(config, device=device if device.type == "cuda" else None)
-    position = NodePosition(replicas)
+    position = NodePosition(replicas, trainer)
     # Before CheckpointCallback, whose marker must list the quorum file too.
     callbacks = trainer.callback_handler.callbacks
     at = next((i for i, c in enumerate(callbacks) if isinstance(c, CheckpointCallback)), len(callbacks))
     callbacks.insert(at, position)
-    replicas.register("trainer", lambda: _trainer_position(trainer), lambda peer: position.take(trainer, peer))
+    replicas.register("trainer", position.serve, position.take)
     replicas.describe(
         "trainer",
         lambda: {
@@ -126,14 +127,26 @@ class NodePosition(TrainerCallback):
     The Trainer recomputes ``state.epoch`` from its own loop counters after every step, so
     a healed node would fall back to the epoch it counted itself: the difference to the
     peer's is carried on at every step.
+
+    A node that finished training serves the position it had before its last step: a late node that
+    catches up from it then counts its own last step as the job's last one, and its loop ends there.
     """
 
-    def __init__(self, replicas: ManagedReplicas):
-        self.replicas = replicas
+    def __init__(self, replicas: ManagedReplicas, trainer):
+        self.replicas, self.trainer = replicas, trainer
         self.epoch_offset = 0.0
+        self.step_start: dict | None = None  # the position before this node's latest step
 
-    def take(self, trainer, peer: dict) -> None:
+    def serve(self) -> dict:
+        if self.replicas.finished and self.step_start is not None:
+            return self.step_start | {"final": True}
+        return _trainer_position(self.trainer)
+
+    def take(self, peer: dict) -> None:
         """Take a healing peer's global step, epoch and scheduler position."""
+        trainer = self.trainer
+        if peer.get("final"):  # served again by this node, which finishes with it
+            self.step_start = peer
         state = trainer.state
         jump = peer["global_step"] - state.global_step
         state.global_step = peer["global_step"]
@@ -150,12 +163,18 @@ class NodePosition(TrainerCallback):
             for group, lr in zip(trainer.optimizer.param_groups, scheduler.get_last_lr()):
                 group["lr"] = lr
 
+    def on_step_begin(self, args, state, control, **kw):
+        self.step_start = _trainer_position(self.trainer)
+
     def on_step_end(self, args, state, control, **kw):
         if self.epoch_offset:
             state.epoch += self.epoch_offset
 
-    def on_train_end(self, args, state, control, **kw):
+    def on_train_end(self, args, state, control, optimizer=None, **kw):
         self.replicas.check_trained()
+        flexdemo = unwrap_flexdemo(optimizer)
+        if flexdemo is not None:  # after the final synchronize() and replica check (FlexDeMoCallback comes first)
+            flexdemo.finish_training()
         note = self.replicas.ending_note()
         if note and args.process_index == 0:
             logger.warning(note)

@@ -356,12 +356,15 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             # The round may open here, after the backward pass, and replace the parameters: this
             # gradient then belongs to the old ones, so the step folds in nothing.
             healed_now = managed.begin() and not sync_only
+            if managed.finished:
+                # This node healed from one that finished training: the job's last step has committed. It
+                # catches up to it and finishes too; its own gradient would be a step past the end.
+                self._closing_round()
+                return False
         buckets = self._bucketed()
         if in_round and sync_only and not self._needs_sync():
             # Decided after healing, so every node decides alike; the round closes with nothing sent.
-            if managed.commit():
-                self._catch_up()
-                self._replay.record(LoggedStep(managed.step, None, [], [], [], trained=False))  # nothing changed
+            self._empty_round()
             return False
         topology = ReplicaTopology.single() if creating_state else self.topology
         if not sync_only:
@@ -408,6 +411,38 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         else:
             self._finish(in_flight)
         return ctx.replicate
+
+    def _empty_round(self) -> bool:
+        """Commit a round that changes nothing (the node still catches up on steps it missed)."""
+        managed = self._managed
+        if not managed.commit(trained=False):
+            return False
+        self._catch_up()
+        self._replay.record(LoggedStep(managed.step, None, [], [], [], trained=False))
+        return True
+
+    def finish_training(self) -> None:
+        """Under torchft with ``join_quorum='when_ready'``: call once after the last step (the Trainer does).
+
+        The node stays while a live node is still on its last step, so that the late one catches up and every
+        node ends on the same parameters (:meth:`~hf_flexdemo.fault_tolerance.ManagedReplicas.close`).
+        """
+        if self._managed is not None and self.config.join_quorum == "when_ready":
+            self.flush()
+            self._managed.close(self._closing_round)
+
+    def _closing_round(self) -> None:
+        """A round after the job's last step: nothing is sent; late nodes catch up, then every node compares."""
+        if not self._empty_round():
+            return
+        params = [p for group in self.param_groups for p in group["params"]]
+        prints = self._managed.fingerprints_of_leaders(parameter_fingerprint(params), closing=True)
+        if len(set(prints)) > 1:
+            raise RuntimeError(
+                f"FlexDeMo fault tolerance: the nodes end training with different parameters (checksums {prints}) "
+                "although the late ones caught up. This points at non-deterministic kernels; take the final model "
+                "from the node that finished first."
+            )
 
     def _finish(self, job: _InFlight) -> None:
         received, stats = job.exchange.wait()
