@@ -153,19 +153,37 @@ FT_ARGS = "fault_tolerance=torchft,ft_timeout=10,quorum_timeout=60,update=sign"
 
 def idle(work: Path, steps: int, heartbeat_ms: int) -> dict:
     """Median step time of node 0 with fault tolerance, then the same job without."""
-    lighthouse = Lighthouse(heartbeat_ms, work / "lighthouse_idle.log")
+    ft = idle_ft_step(work / "idle", steps, heartbeat_ms, FT_ARGS)
+    plain = Launch(PLAIN_CONFIG, work / "idle_plain", steps, {}, "")
+    plain.wait()
+    base = statistics.median(step_times(plain.steps))
+    return {"ft_step_s": ft, "plain_step_s": base, "overhead": ft / base - 1}
+
+
+def idle_ft_step(work: Path, steps: int, heartbeat_ms: int, optim_args: str) -> float:
+    """Node 0's median step time over the steps both nodes trained together, nothing failing."""
+    lighthouse = Lighthouse(heartbeat_ms, work.with_name(work.name + "_lighthouse.log"))
     try:
-        nodes = [Launch(FT_CONFIG, work / f"idle_ft{n}", steps, ft_env(lighthouse, n), FT_ARGS) for n in (0, 1)]
+        nodes = [
+            Launch(FT_CONFIG, work.with_name(f"{work.name}{n}"), steps, ft_env(lighthouse, n), optim_args)
+            for n in (0, 1)
+        ]
         for node in nodes:
             node.wait()
     finally:
         lighthouse.stop()
-    plain = Launch(PLAIN_CONFIG, work / "idle_plain", steps, {}, "")
-    plain.wait()
     # Both nodes start on their own: count only steps where the two trained together.
     together = [s for s in nodes[0].steps if s[1].get("flexdemo/live_replicas") == 2]
-    ft, base = statistics.median(step_times(together)), statistics.median(step_times(plain.steps))
-    return {"ft_step_s": ft, "plain_step_s": base, "overhead": ft / base - 1}
+    return statistics.median(step_times(together))
+
+
+def replay_cost(work: Path, steps: int, heartbeat_ms: int) -> dict:
+    """What keeping steps to replay costs when nothing fails: the default replay_steps against none (0),
+    run back to back (the kept payloads, and the in-node all-reduce at each commit)."""
+    work.mkdir(parents=True, exist_ok=True)
+    kept = idle_ft_step(work / "replay_default", steps, heartbeat_ms, FT_ARGS)
+    none = idle_ft_step(work / "replay_none", steps, heartbeat_ms, FT_ARGS + ",replay_steps=0")
+    return {"replay_default_step_s": kept, "replay_none_step_s": none, "replay_cost": kept / none - 1}
 
 
 def outage(work: Path, steps: int, heartbeat_ms: int, kill_at: int, down_s: float) -> dict:
@@ -259,6 +277,7 @@ def main() -> None:
     parser.add_argument("--heartbeat-ms", type=int, default=2000, help="the Lighthouse's --heartbeat_timeout_ms")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fault_tolerance.json")
     parser.add_argument("--summarize", action="store_true", help="recompute the summary and plot of --out only")
+    parser.add_argument("--replay-cost", action="store_true", help="only the cost of replay_steps when nothing fails")
     args = parser.parse_args()
     if args.summarize:
         recorded = json.loads(args.out.read_text())
@@ -266,6 +285,16 @@ def main() -> None:
         args.out.write_text(json.dumps(recorded))
         plot(recorded["runs"]["outage"][0]["timeline"], args.out.with_suffix(".png"))
         print(json.dumps(recorded["summary"], indent=1))
+        return
+    if args.replay_cost:
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = []
+            for repeat in range(args.repeats):
+                runs.append(replay_cost(Path(tmp) / str(repeat), args.steps, args.heartbeat_ms))
+                print(json.dumps(runs[-1]), flush=True)
+        summary = {key: statistics.median(r[key] for r in runs) for key in runs[0]} | {"runs": runs}
+        args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "summary": summary}))
+        print(json.dumps(summary, indent=1))
         return
     runs = {"idle": [], "outage": []}
     with tempfile.TemporaryDirectory() as tmp:

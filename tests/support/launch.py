@@ -74,11 +74,32 @@ def read_rank_results(out_dir: Path, nprocs: int) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
+PORTS_PER_WORKER = 1500
+FIRST_PORT = 15_000
+"""Below Linux's ephemeral range (32768 on), which the kernel hands out for port 0 (gloo, TCPStores)."""
+_handed_out = 0
+
+
 def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port nobody listens on now, and one this test process has not handed out before.
+
+    A port is chosen before the launch that listens on it: two tests running side by side
+    (``pytest -n 2``) or two nodes of one test could otherwise be given the same one. Each
+    pytest-xdist worker takes ports from a range of its own, in turn.
+    """
+    global _handed_out
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    first = FIRST_PORT + int(worker or 0) * PORTS_PER_WORKER
+    for _ in range(PORTS_PER_WORKER):
+        port = first + _handed_out % PORTS_PER_WORKER
+        _handed_out += 1
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free loopback port in {first}-{first + PORTS_PER_WORKER - 1}")
 
 
 def port_open(port: int) -> bool:
