@@ -32,10 +32,8 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_2x2.yaml \
 		training_scripts/train_t5.py --preset offline
 
-# Two tests at a time (pytest-xdist): most multi-process tests spend much of their time waiting
-# (heartbeats, timeouts, a node loading), so a second one fills the other core meanwhile.
 test: test-lowest $(STAMP)
-	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=10
+	$(PYTHON) -m pytest -q --durations=10
 
 test-unit: $(STAMP)
 	$(PYTHON) -m pytest -q -m unit

@@ -9,10 +9,7 @@ from __future__ import annotations
 import pytest
 from support.launch import TESTS_DIR, read_rank_results, torchrun
 
-pytestmark = [
-    pytest.mark.multiprocess,
-    pytest.mark.xdist_group("core_distributed"),
-]  # one pytest-xdist worker: its module-scoped fixture is built once
+pytestmark = pytest.mark.multiprocess
 
 SYNCING = ("demo", "random", "striding", "full", "diloco", "sparseloco")
 SYNCING += ("demo_1bit_packed", "demo_4bit", "demo_2bit_stochastic", "sparseloco_2bit_packed", "demo_shared")

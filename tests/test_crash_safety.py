@@ -30,10 +30,7 @@ from support.launch import (
 
 from hf_flexdemo.integrations.checkpoints import MARKER, checkpoints, incomplete_reason
 
-pytestmark = [
-    pytest.mark.faults,
-    pytest.mark.xdist_group("crash_safety"),
-]  # one pytest-xdist worker: its module-scoped fixture is built once
+pytestmark = pytest.mark.faults
 
 SCRIPT = str(REPO_ROOT / "training_scripts" / "train_t5.py")
 FLAGS = (

@@ -14,10 +14,7 @@ import pytest
 from support.accelerate_runs import launch_command
 from support.launch import TESTS_DIR, child_env, run_checked
 
-pytestmark = [
-    pytest.mark.multiprocess,
-    pytest.mark.xdist_group("fsdp_views"),
-]  # one pytest-xdist worker: its module-scoped fixture is built once
+pytestmark = pytest.mark.multiprocess
 
 CPU_1X2 = (TESTS_DIR / "configs" / "cpu_2x2.yaml").read_text()
 CPU_1X2 = CPU_1X2.replace("num_processes: 4", "num_processes: 2").replace("replicate_size: 2 ", "replicate_size: 1 ")

@@ -18,10 +18,7 @@ from support.accelerate_runs import launch_command
 from support.fake_hub import FakeHub
 from support.launch import REPO_ROOT, child_env, run_checked
 
-pytestmark = [
-    pytest.mark.scripts,
-    pytest.mark.xdist_group("scripts"),
-]  # one pytest-xdist worker: its module-scoped fixture is built once
+pytestmark = pytest.mark.scripts
 
 TOKEN = "hf_flexdemo_test_secret_token"
 SCRIPTS = REPO_ROOT / "training_scripts"

@@ -13,10 +13,7 @@ import pytest
 from support.accelerate_runs import COMMON, TRAINER_WORKER, accelerate_launch, launch_command, losses, read_run
 from support.launch import child_env
 
-pytestmark = [
-    pytest.mark.multiprocess,
-    pytest.mark.xdist_group("trainer_distributed"),
-]  # one pytest-xdist worker: its module-scoped fixture is built once
+pytestmark = pytest.mark.multiprocess
 
 RUNS = ("t5_flexdemo", "t5_adamw_torch", "olmo2_flexdemo", "olmo2_adamw_torch")
 

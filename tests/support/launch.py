@@ -83,9 +83,9 @@ _handed_out = 0
 def free_port() -> int:
     """A loopback port nobody listens on now, and one this test process has not handed out before.
 
-    A port is chosen before the launch that listens on it: two tests running side by side
-    (``pytest -n 2``) or two nodes of one test could otherwise be given the same one. Each
-    pytest-xdist worker takes ports from a range of its own, in turn.
+    A port is chosen before the launch that listens on it: two nodes of one test, chosen before
+    either listens, could otherwise be given the same one (the kernel may hand a released port 0
+    out again). Under pytest-xdist each worker takes ports from a range of its own.
     """
     global _handed_out
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
