@@ -177,12 +177,16 @@ def idle_ft_step(work: Path, steps: int, heartbeat_ms: int, optim_args: str) -> 
     return statistics.median(step_times(together))
 
 
-def replay_cost(work: Path, steps: int, heartbeat_ms: int) -> dict:
+def replay_cost(work: Path, steps: int, heartbeat_ms: int, none_first: bool) -> dict:
     """What keeping steps to replay costs when nothing fails: the default replay_steps against none (0),
-    run back to back (the kept payloads, and the in-node all-reduce at each commit)."""
+    run back to back (the kept payloads, and the in-node all-reduce at each commit), in turn first."""
     work.mkdir(parents=True, exist_ok=True)
-    kept = idle_ft_step(work / "replay_default", steps, heartbeat_ms, FT_ARGS)
-    none = idle_ft_step(work / "replay_none", steps, heartbeat_ms, FT_ARGS + ",replay_steps=0")
+    order = [("replay_none", ",replay_steps=0"), ("replay_default", "")]
+    times = {
+        name: idle_ft_step(work / name, steps, heartbeat_ms, FT_ARGS + extra)
+        for name, extra in (order if none_first else order[::-1])
+    }
+    kept, none = times["replay_default"], times["replay_none"]
     return {"replay_default_step_s": kept, "replay_none_step_s": none, "replay_cost": kept / none - 1}
 
 
@@ -290,7 +294,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             runs = []
             for repeat in range(args.repeats):
-                runs.append(replay_cost(Path(tmp) / str(repeat), args.steps, args.heartbeat_ms))
+                runs.append(replay_cost(Path(tmp) / str(repeat), args.steps, args.heartbeat_ms, repeat % 2 == 0))
                 print(json.dumps(runs[-1]), flush=True)
         summary = {key: statistics.median(r[key] for r in runs) for key in runs[0]} | {"runs": runs}
         args.out.write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)}, "summary": summary}))

@@ -5,9 +5,11 @@ The launches with a real Lighthouse and SIGKILLed nodes are in tests/test_fault_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 from support.launch import child_env, free_port, wait_for
@@ -90,17 +92,32 @@ def test_the_torchft_api_we_use_is_where_we_call_it():
     assert os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"))
 
 
-def test_the_waiting_message_names_who_is_missing_from_the_lighthouse():
+@contextlib.contextmanager
+def in_process_lighthouse(**options):
+    """torchft's Lighthouse server in this process, and a client of it: ``(address, client)``."""
     from datetime import timedelta
 
     from torchft._torchft import LighthouseClient, LighthouseServer
 
-    from hf_flexdemo.fault_tolerance import lighthouse_status
-
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=500)
+    server = LighthouseServer(bind="127.0.0.1:0", **options)
     try:
         address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
-        client = LighthouseClient(address, timedelta(seconds=5))
+        yield address, LighthouseClient(address, timedelta(seconds=5))
+    finally:
+        server.shutdown()
+
+
+def quorum_request(seconds: float = 5) -> dict:
+    """The rest of a LighthouseClient.quorum() call, for a stand-in node."""
+    from datetime import timedelta
+
+    return dict(timeout=timedelta(seconds=seconds), address="x", store_address="y", world_size=1, shrink_only=False)
+
+
+def test_the_waiting_message_names_who_is_missing_from_the_lighthouse():
+    from hf_flexdemo.fault_tolerance import lighthouse_status
+
+    with in_process_lighthouse(min_replicas=2, heartbeat_timeout_ms=500) as (address, client):
         client.heartbeat("node1:a")
 
         def node1_dropped() -> str | None:  # node1 falls silent; node0 keeps heartbeating
@@ -110,29 +127,17 @@ def test_the_waiting_message_names_who_is_missing_from_the_lighthouse():
 
         status = wait_for(node1_dropped, 30, "the Lighthouse to drop the silent node1", poll=0.1)
         assert "need min_replicas 2" in status
-    finally:
-        server.shutdown()
     assert "does not answer" in lighthouse_status(f"http://127.0.0.1:{free_port()}")
 
 
 def test_the_lighthouse_view_holds_the_last_quorums_steps():
-    from datetime import timedelta
-
-    from torchft._torchft import LighthouseClient, LighthouseServer
-
     # node0 must stay live until the view is read, however slow the machine: a long heartbeat timeout.
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=60_000)
-    try:
-        address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
-        client = LighthouseClient(address, timedelta(seconds=5))
+    with in_process_lighthouse(min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=60_000) as (address, client):
         client.heartbeat("node0:a1")
-        quorum = dict(timeout=timedelta(seconds=5), address="x", store_address="y", world_size=1, shrink_only=False)
-        client.quorum(replica_id="node0:a1", step=57, **quorum)
+        client.quorum(replica_id="node0:a1", step=57, **quorum_request())
         view = read_lighthouse(address)
         assert view.last_quorum == {"node0:a1": 57} and view.job_step == 57
         assert view.heartbeating == {"node0:a1"}
-    finally:
-        server.shutdown()
 
 
 def test_a_node_that_would_start_a_finished_job_over_is_refused_and_a_resumed_one_is_told():
@@ -194,25 +199,15 @@ def test_a_node_that_ends_in_a_smaller_quorum_than_it_trained_with_says_its_mode
 
 def test_the_lighthouse_view_counts_the_nodes_waiting_for_a_quorum():
     """A node that finished training joins a closing round only when a late node waits for one."""
-    import threading
-    from datetime import timedelta
-
-    from torchft._torchft import LighthouseClient, LighthouseServer
-
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=100, heartbeat_timeout_ms=60_000)
-    try:
-        address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
-        client = LighthouseClient(address, timedelta(seconds=5))
+    options = dict(min_replicas=2, join_timeout_ms=100, heartbeat_timeout_ms=60_000)
+    with in_process_lighthouse(**options) as (address, client):
         client.heartbeat("node0:a")
         client.heartbeat("node1:b")
         assert read_lighthouse(address).waiting == 0
-        quorum = dict(timeout=timedelta(seconds=30), address="x", store_address="y", world_size=1, shrink_only=False)
-        late = threading.Thread(target=lambda: client.quorum(replica_id="node1:b", step=3, **quorum))
+        late = threading.Thread(target=lambda: client.quorum(replica_id="node1:b", step=3, **quorum_request(30)))
         late.start()
         wait_for(lambda: read_lighthouse(address).waiting == 1, 10, "node1 to wait for a quorum", poll=0.05)
-        client.quorum(replica_id="node0:a", step=4, **quorum)  # the finished node joins: the round forms
+        client.quorum(replica_id="node0:a", step=4, **quorum_request(30))  # the finished node joins: it forms
         late.join(10)
         view = read_lighthouse(address)
         assert view.waiting == 0 and view.last_quorum == {"node0:a": 4, "node1:b": 3}
-    finally:
-        server.shutdown()
