@@ -79,7 +79,8 @@ MAX_STORY_CHANGES = 6
 NODE_STATE_KEY = "flexdemo_node"
 """The first entry of the state a healing node receives: the peer's settings, checked before anything loads."""
 ROUND_STATE_KEY = "flexdemo_round"
-"""The second entry: whether the peer has finished training (the round is then a closing round)."""
+"""The second entry: whether the peer has finished training (the round is then a closing round), and which
+nodes it knows to have finished."""
 CLOSING_POLL_S = 0.2
 """How often a node that finished training looks for a late node waiting to catch up."""
 
@@ -184,10 +185,13 @@ class ManagedReplicas:
             ) from e
         # Registered first, so a healing node checks the peer's settings before loading anything.
         self.manager.register_state_dict_fn(NODE_STATE_KEY, self._check_peer, self._describe)
-        self.manager.register_state_dict_fn(ROUND_STATE_KEY, self._take_round, lambda: {"finished": self.finished})
+        self.manager.register_state_dict_fn(ROUND_STATE_KEY, self._take_round, self._serve_round)
         self.finished = False
         """Whether this node has finished training: every round it joins from then on is a closing round."""
         self._final_step = 0  # torchft's committed steps when the job's last training step had committed
+        self._finished_nodes: set[str] = set()  # nodes known to have finished training
+        self.behind_at_close = False
+        """Whether this node's last closing round failed to commit: it has not caught up yet."""
         self._rank = rank
         self._quorum = QuorumWatch(self.manager)
         self._undone = 0  # steps undone on this node since the quorum last changed
@@ -240,9 +244,29 @@ class ManagedReplicas:
             ) from e
         self._healed = True
 
+    def _serve_round(self) -> dict[str, Any]:
+        return {"finished": self.finished, "nodes": sorted(self._finished_nodes)}
+
     def _take_round(self, peer: dict[str, Any]) -> None:
         if peer["finished"]:
             self.finished = True
+            self._finished_nodes.update(peer["nodes"])
+
+    def start_training(self) -> None:
+        """A new training run in this process (a second ``train()``): its rounds train again."""
+        self.finished, self._final_step, self.behind_at_close = False, 0, False
+        self._finished_nodes.clear()
+
+    def agree_on_finished(self) -> bool:
+        """Whether any process of this node healed from a node that finished (then all of them close).
+
+        Each process takes the peer's state on its own; one whose recovery failed would otherwise train while
+        the others close, and the node's collectives would no longer match."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([int(self.finished)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            self.finished = bool(flag.item())
+        return self.finished
 
     def describe(self, part: str, describe: Callable[[], Any]) -> None:
         """What must be equal on every node (settings, shapes): compared when a node first takes a peer's state."""
@@ -469,7 +493,7 @@ class ManagedReplicas:
             f"nodes wait for each other. {lighthouse_status(self.identity.lighthouse)}."
         )
 
-    def close(self, closing_round: Callable[[], None]) -> None:
+    def close(self, closing_round: Callable[[], bool]) -> None:
         """At the end of training: stay while a live node is still on its last step, so that it ends on the same model.
 
         With ``join_quorum='when_ready'`` the job's last step can commit without a late node; were the others to
@@ -482,14 +506,22 @@ class ManagedReplicas:
             return
         self.finished = True
         self._final_step = self._final_step or self.manager.current_step()
-        finished = set(self._quorum.members)
+        # A last training step that did not commit here leaves this node behind the others: it catches up too.
+        self.behind_at_close = self.behind_at_close or self._uncommitted > 0
+        self._finished_nodes.update(self._quorum.members)
         deadline = time.monotonic() + self.config.quorum_timeout
         said = False
         while True:
-            action, training = self._closing_action(finished, deadline)
+            action, training = self._closing_action(self._finished_nodes, deadline)
             if action == "round":
-                self.begin()
-                closing_round()
+                try:
+                    self.begin()
+                except FaultToleranceError as e:  # the others left meanwhile: nothing to catch up from
+                    logger.warning(
+                        "FlexDeMo fault tolerance: %s: no closing round after training: %s", self.identity.name, e
+                    )
+                    return
+                self.behind_at_close = not closing_round()
             elif action == "wait":
                 if not said and self._rank == 0:
                     logger.warning(
@@ -523,7 +555,7 @@ class ManagedReplicas:
             training = sorted({node_of(replica) for replica in view.heartbeating} - finished - {self.identity.name})
             if view.error:
                 decision[0] = ("done", [])
-            elif view.waiting:
+            elif view.waiting or (self.behind_at_close and training and time.monotonic() < deadline):
                 decision[0] = ("round", training)
             elif not training:
                 decision[0] = ("done", [])
@@ -539,6 +571,12 @@ class ManagedReplicas:
         Nodes that finished (or left) while this one was late committed steps it never saw: its final
         parameters may then differ from theirs. Said at the end of training, in one line.
         """
+        if self.behind_at_close:
+            return (
+                f"FlexDeMo fault tolerance: {self.identity.name} ended training behind the others: its last round did "
+                "not commit and no node that finished was left to catch up from. Take the job's final model from "
+                "another node."
+            )
         if not self.membership:
             return ""
         largest = max(self.membership, key=lambda seen: len(seen[1]))[1]

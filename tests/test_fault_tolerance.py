@@ -540,6 +540,10 @@ class OneReplicaQuorum:
         self.commits, self.round_open, self.served = list(commits), False, {}
         self.step = self.steps_before_quorum = 0  # committed steps, as torchft counts them
         self.finished = False  # whether the node (or the peer it healed from) finished training
+        self.behind_at_close = False
+
+    def agree_on_finished(self) -> bool:
+        return self.finished
 
     def register(self, key, state, load):
         self.served[key] = (state, load)
@@ -736,6 +740,7 @@ def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_
     assert all(int(node.state[p]["step"]) == int(peer.state[q]["step"]) for p, q in zip(mine, peer_params))
     assert all(torch.equal(node.state[p]["momentum_dct"], m) for p, m in zip(mine, momentum))  # gradient dropped
     assert node._managed.compared == int(parameter_fingerprint(mine))  # the round compares the nodes' parameters
+    assert not node._managed.behind_at_close
 
 
 @pytest.mark.unit

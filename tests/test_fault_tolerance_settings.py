@@ -190,11 +190,15 @@ def test_a_node_that_ends_in_a_smaller_quorum_than_it_trained_with_says_its_mode
 
     identity = NodeIdentity("http://127.0.0.1:1", 2, 3)
     three = (0, ("node0", "node1", "node2"))
-    ended_alone = SimpleNamespace(identity=identity, step=69, membership=[three, (68, ("node2",))])
+    node = dict(identity=identity, behind_at_close=False)
+    ended_alone = SimpleNamespace(**node, step=69, membership=[three, (68, ("node2",))])
     note = ManagedReplicas.ending_note(ended_alone)
     assert "node2 ended in a quorum of 1 node(s) (node2) from 68 committed steps on, without node0, node1" in note
     assert "take the job's final model from a node of the largest last quorum" in note and "69 committed" in note
-    assert ManagedReplicas.ending_note(SimpleNamespace(identity=identity, step=70, membership=[three])) == ""
+    assert ManagedReplicas.ending_note(SimpleNamespace(**node, step=70, membership=[three])) == ""
+    # Its last round did not commit, and the nodes that finished had left: it says it is behind.
+    behind = SimpleNamespace(identity=identity, behind_at_close=True, step=69, membership=[three])
+    assert "node2 ended training behind the others" in ManagedReplicas.ending_note(behind)
 
 
 def test_the_lighthouse_view_counts_the_nodes_waiting_for_a_quorum():
@@ -211,3 +215,22 @@ def test_the_lighthouse_view_counts_the_nodes_waiting_for_a_quorum():
         late.join(10)
         view = read_lighthouse(address)
         assert view.waiting == 0 and view.last_quorum == {"node0:a": 4, "node1:b": 3}
+
+
+def test_a_finished_node_serves_the_position_before_the_jobs_last_step_even_if_it_healed_in_it():
+    """A late node that catches up from a finished one counts its own last step as the job's last."""
+    from types import SimpleNamespace
+
+    from hf_flexdemo.integrations.fault_tolerant_trainer import NodePosition
+
+    replicas = SimpleNamespace(finished=False)
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=10, epoch=1.0), lr_scheduler=None)
+    position = NodePosition(replicas, trainer)
+    position.on_step_begin(None, trainer.state, None)
+    position.take({"global_step": 39, "epoch": 3.9, "scheduler": None})  # healed in its last step (when_ready)
+    trainer.state.global_step += 1  # the Trainer counts the step: 40, the job's last
+    replicas.finished = True
+    assert position.serve() == {"global_step": 39, "epoch": 3.9, "scheduler": None, "final": True}
+    position.ended = True  # a closing round after its loop ended: it keeps its own position
+    position.take({"global_step": 39, "epoch": 3.9, "scheduler": None, "final": True})
+    assert trainer.state.global_step == 40

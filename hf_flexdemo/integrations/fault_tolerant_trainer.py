@@ -135,7 +135,8 @@ class NodePosition(TrainerCallback):
     def __init__(self, replicas: ManagedReplicas, trainer):
         self.replicas, self.trainer = replicas, trainer
         self.epoch_offset = 0.0
-        self.step_start: dict | None = None  # the position before this node's latest step
+        self.step_start: dict | None = None  # the position before this node's latest step, in the job's terms
+        self.ended = False  # whether this node's training loop has ended
 
     def serve(self) -> dict:
         if self.replicas.finished and self.step_start is not None:
@@ -145,8 +146,10 @@ class NodePosition(TrainerCallback):
     def take(self, peer: dict) -> None:
         """Take a healing peer's global step, epoch and scheduler position."""
         trainer = self.trainer
-        if peer.get("final"):  # served again by this node, which finishes with it
-            self.step_start = peer
+        # The peer's position at its round is the one before this step (a finished peer's: before its last).
+        self.step_start = {key: value for key, value in peer.items() if key != "final"}
+        if self.ended:  # a closing round after this node's loop ended: its own position stands
+            return
         state = trainer.state
         jump = peer["global_step"] - state.global_step
         state.global_step = peer["global_step"]
@@ -163,6 +166,10 @@ class NodePosition(TrainerCallback):
             for group, lr in zip(trainer.optimizer.param_groups, scheduler.get_last_lr()):
                 group["lr"] = lr
 
+    def on_train_begin(self, args, state, control, **kw):
+        self.ended = False
+        self.replicas.start_training()
+
     def on_step_begin(self, args, state, control, **kw):
         self.step_start = _trainer_position(self.trainer)
 
@@ -171,6 +178,7 @@ class NodePosition(TrainerCallback):
             state.epoch += self.epoch_offset
 
     def on_train_end(self, args, state, control, optimizer=None, **kw):
+        self.ended = True
         self.replicas.check_trained()
         flexdemo = unwrap_flexdemo(optimizer)
         if flexdemo is not None:  # after the final synchronize() and replica check (FlexDeMoCallback comes first)

@@ -356,7 +356,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             # The round may open here, after the backward pass, and replace the parameters: this
             # gradient then belongs to the old ones, so the step folds in nothing.
             healed_now = managed.begin() and not sync_only
-            if managed.finished:
+            if self.config.join_quorum == "when_ready" and managed.agree_on_finished():
                 # This node healed from one that finished training: the job's last step has committed. It
                 # catches up to it and finishes too; its own gradient would be a step past the end.
                 self._closing_round()
@@ -431,18 +431,26 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             self.flush()
             self._managed.close(self._closing_round)
 
-    def _closing_round(self) -> None:
-        """A round after the job's last step: nothing is sent; late nodes catch up, then every node compares."""
-        if not self._empty_round():
-            return
+    def _closing_round(self) -> bool:
+        """A round after the job's last step: nothing is sent; late nodes catch up, then every node compares.
+        Returns whether it committed (if not, this node has not caught up yet)."""
+        committed = self._empty_round()
+        self._managed.behind_at_close = not committed
+        if not committed:
+            return False
         params = [p for group in self.param_groups for p in group["params"]]
         prints = self._managed.fingerprints_of_leaders(parameter_fingerprint(params), closing=True)
-        if len(set(prints)) > 1:
+        differ = torch.tensor([int(len(set(prints)) > 1)], device=self._managed.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every process of the node stops, or none
+            dist.all_reduce(differ, op=dist.ReduceOp.MAX)
+        if differ.item():
             raise RuntimeError(
-                f"FlexDeMo fault tolerance: the nodes end training with different parameters (checksums {prints}) "
-                "although the late ones caught up. This points at non-deterministic kernels; take the final model "
-                "from the node that finished first."
+                f"FlexDeMo fault tolerance: the nodes end training with different parameters (checksums on this "
+                f"process's shard: {prints}) although the late ones caught up: the nodes split (a node trained steps "
+                "the others did not see) or a kernel is not deterministic. Each node's last checkpoint is whole; take "
+                "the one of the node that trained in the largest quorums."
             )
+        return True
 
     def _finish(self, job: _InFlight) -> None:
         received, stats = job.exchange.wait()
