@@ -375,11 +375,14 @@ def test_a_node_dying_while_it_serves_recovery_does_not_take_the_healing_node_do
     """Node 2 starts late; the first of nodes 0 and 1 it asks for the live state dies; it heals from the other."""
     flags = [*TINY, "--max_steps", "60", "--step_delay", "0.1", *ft_args()]
     slow = tmp_path / "slow_until_node2_trains"  # the others still train when node 2 arrives
-    serve_and_die = ("--die_while_serving_after", "5", "--slow_while", str(slow), *LATE_NODE_WAIT)
+    armed = tmp_path / "die_while_serving"  # not before nodes 0 and 1 train together: one may heal from the other
+    serve_and_die = ("--die_while_serving_when", str(armed), "--slow_while", str(slow), *LATE_NODE_WAIT)
     nodes = nodes_of(3, patient_lighthouse, tmp_path, *flags, processes=1, extra={0: serve_and_die, 1: serve_and_die})
     nodes[0].start()
     nodes[1].start()
-    wait_until(lambda: min(nodes[0].step(), nodes[1].step()) >= 6, 180, "nodes 0 and 1 to train")
+    together = lambda: committed_together(nodes[:2]) and min(nodes[0].step(), nodes[1].step()) >= 6  # noqa: E731
+    wait_until(together, 180, "nodes 0 and 1 to train together", running=nodes[:2])
+    armed.touch()
     slow.touch()
     nodes[2].start()
     wait_until(lambda: any(n.proc.poll() is not None for n in nodes[:2]), 120, "the serving node to die")

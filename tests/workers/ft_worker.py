@@ -12,8 +12,9 @@ and the scripts' end-of-run summary (``training_scripts/script_utils.print_summa
 every node, this node SIGKILLs itself (launcher and every process) inside the step's
 exchange, before its payload is out: the other nodes are in the collective waiting for it.
 ``--corrupt_at N`` (test only): at step N this node changes one parameter entry on its own.
-``--die_while_serving_after N`` (test only): from step N on, the first node asked for the
-live state by a healing peer dies right then.
+``--die_while_serving_when PATH`` (test only): while PATH exists, the first node asked for the
+live state by a healing peer dies right then (the test creates PATH once the nodes it means
+to keep alive train together, so a peer that is only slow to start does not set it off).
 ``--slow_while PATH`` (test only): each step takes ``--slow_step_s`` seconds more (1) while PATH
 exists, so that a late or relaunched peer, taking up to that many seconds per remaining step to
 start, finds this node still training.
@@ -54,7 +55,7 @@ class WorkerArgs:
     model: str = "olmo2"
     step_delay: float = 0.0
     kill_node_in_exchange_at: int = 0
-    die_while_serving_after: int = 0
+    die_while_serving_when: str = ""
     corrupt_at: int = 0
     slow_while: str = ""
     slow_step_s: float = 1.0
@@ -117,8 +118,8 @@ def kill_node_in_exchange(trainer: Trainer, at_step: int) -> None:
         setattr(fault_tolerance.ManagedReplicas, name, die_in_exchange)
 
 
-def die_while_serving(trainer: Trainer, after_step: int, once: Path) -> None:
-    """Die when asked for the live state (a peer heals from this node) once past ``after_step``.
+def die_while_serving(armed: Path, once: Path) -> None:
+    """Die when asked for the live state (a peer heals from this node) while ``armed`` exists.
 
     Only the first node to serve dies (it creates ``once``); another node serves normally.
     """
@@ -126,7 +127,7 @@ def die_while_serving(trainer: Trainer, after_step: int, once: Path) -> None:
 
     def serve_then_die(self):
         state = original(self)
-        if trainer.state.global_step >= after_step:
+        if armed.exists():
             try:
                 once.open("x").close()
             except FileExistsError:
@@ -160,8 +161,8 @@ def main() -> None:
     trainer.add_callback(progress)
     if worker.kill_node_in_exchange_at:
         kill_node_in_exchange(trainer, worker.kill_node_in_exchange_at)
-    if worker.die_while_serving_after:
-        die_while_serving(trainer, worker.die_while_serving_after, base / "served_and_died")
+    if worker.die_while_serving_when:
+        die_while_serving(Path(worker.die_while_serving_when), base / "served_and_died")
     trainer.train()
     params = [p for p in trainer.model.parameters()]
     result = {
