@@ -25,11 +25,13 @@ torchft is imported only when a :class:`ManagedReplicas` is built, never on the 
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -183,6 +185,8 @@ class ManagedReplicas:
                 f"{LIGHTHOUSE_ENV}={self.identity.lighthouse} within ft_timeout={config.ft_timeout:g} s: {e}. Check "
                 "that torchft_lighthouse runs there and that this node can reach it."
             ) from e
+        self._shut_down = False
+        atexit.register(_shut_down_at_exit, weakref.ref(self))
         # Registered first, so a healing node checks the peer's settings before loading anything.
         self.manager.register_state_dict_fn(NODE_STATE_KEY, self._check_peer, self._describe)
         self.manager.register_state_dict_fn(ROUND_STATE_KEY, self._take_round, self._serve_round)
@@ -697,7 +701,25 @@ class ManagedReplicas:
         return _ReportedWork(work, self)
 
     def shutdown(self) -> None:
+        """Stop this node's torchft manager and free its process group; runs at exit, while Python is whole.
+
+        Left to the interpreter's teardown, a gloo collective still pending at exit completes on a
+        gloo thread that can no longer take the GIL, and a run that went well ends in SIGABRT
+        ("terminate called without an active exception"). Freed here, the group waits for such a
+        collective instead, ``ft_timeout`` at most.
+        """
+        if self._shut_down:
+            return
+        self._shut_down = True
         self.manager.shutdown(wait=False)
+        self._group.shutdown()
+        self._store = None
+
+
+def _shut_down_at_exit(replicas: weakref.ref[ManagedReplicas]) -> None:
+    node = replicas()
+    if node is not None:
+        node.shutdown()
 
 
 def quorum_moves(before: tuple[str, ...], after: tuple[str, ...]) -> str:
