@@ -706,13 +706,14 @@ class ManagedReplicas:
         Left to the interpreter's teardown, a gloo collective still pending at exit completes on a
         gloo thread that can no longer take the GIL, and a run that went well ends in SIGABRT
         ("terminate called without an active exception"). Freed here, the group waits for such a
-        collective instead, ``ft_timeout`` at most.
+        collective instead, ``ft_timeout`` at most; the manager stops after it, so that a peer
+        still taking this node's state meanwhile can finish.
         """
         if self._shut_down:
             return
         self._shut_down = True
-        self.manager.shutdown(wait=False)
         self._group.shutdown()
+        self.manager.shutdown(wait=False)
         self._store = None
 
 

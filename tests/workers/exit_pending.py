@@ -1,7 +1,7 @@
 """One node of a two-node torchft job that ends with an exchange still pending (tests/test_fault_tolerance_settings.py).
 
-Node 0 posts its part of an all-reduce over the quorum, with a completion callback on it,
-and exits; node 1 posts its part ``--late_s`` seconds later, while node 0 is exiting.
+After one exchange both finish, node 0 posts its part of a second all-reduce, with a
+completion callback on it, and exits; node 1 posts its part ``--late_s`` seconds later, while node 0 is exiting.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ args = parser.parse_args()
 
 replicas = node_replicas(FlexDeMoConfig(fault_tolerance="torchft", min_replicas=2, ft_timeout=30))
 replicas.begin()
+# One exchange both nodes finish: node 1 has taken node 0's start-up state before node 0 exits.
+replicas.all_reduce_sum(torch.ones(4)).wait()
 values = torch.ones(4)
 if replicas.identity.replica_group == 0:
     work = replicas.all_reduce_sum(values)
