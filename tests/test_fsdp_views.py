@@ -16,17 +16,11 @@ from support.launch import TESTS_DIR, child_env, run_checked
 
 pytestmark = pytest.mark.multiprocess
 
-CPU_1X2 = (TESTS_DIR / "configs" / "cpu_2x2.yaml").read_text()
-CPU_1X2 = CPU_1X2.replace("num_processes: 4", "num_processes: 2").replace("replicate_size: 2 ", "replicate_size: 1 ")
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("views")
-    config = out / "accelerate.yaml"
-    config.write_text(CPU_1X2)
-    cmd = launch_command(str(TESTS_DIR / "workers" / "fsdp_views_worker.py"))
-    cmd[cmd.index("--config_file") + 1] = str(config)
+    cmd = launch_command(str(TESTS_DIR / "workers" / "fsdp_views_worker.py"), config="cpu_1x2.yaml")
     cmd.append(str(out))
     run_checked(cmd, timeout=300, env=child_env())
     return [json.loads((out / f"result_rank{r}.json").read_text()) for r in range(2)]
