@@ -203,14 +203,14 @@ def test_a_slow_node_that_joins_when_ready_is_left_out_catches_up_and_contribute
     """join_quorum=when_ready, three 1-process nodes: node 2 takes 3 s a step, the others a tenth of that. They do
     not wait for it (the Lighthouse waits 0.5 s for a late member, and two of three heartbeating nodes are a
     majority); node 2 is left out of the steps it is late for, catches up by replay and commits with them when it
-    is in time. Once fast again it trains with them every step. Slow again, it is late for the job's last step:
-    the others stay until it has caught up, and all three end bitwise equal."""
+    is in time. Once fast again it trains with them every step. Held at a step near the end, it is late for the
+    job's last step: the others say they stay for it; released, it catches up, and all three end bitwise equal."""
     house = Lighthouse(tmp_path / "lighthouse.log", join_timeout_ms=500)
-    slow = tmp_path / "node2_is_slow"
+    slow, held = tmp_path / "node2_is_slow", tmp_path / "node2_is_held"
     slow.touch()
     extra = f",join_quorum=when_ready,replay_steps={REPLAY_STEPS}"
     flags = [*TINY, "--max_steps", "200", "--step_delay", "0.1", *ft_args(extra)]
-    slowed = ("--slow_while", str(slow), "--slow_step_s", "3")
+    slowed = ("--slow_while", str(slow), "--slow_step_s", "3", "--hold_while", str(held))
     nodes = nodes_of(3, house, tmp_path, *flags, processes=1, extra={2: slowed})
     try:
         for node in nodes:
@@ -227,7 +227,13 @@ def test_a_slow_node_that_joins_when_ready_is_left_out_catches_up_and_contribute
         recovered = len(nodes[2].progress())
         fast_again = lambda: sum(p["replicas"] == 3 for p in nodes[2].progress()[recovered:]) >= 10  # noqa: E731
         wait_until(fast_again, 120, "node 2 to train with the others at their pace", running=nodes)
-        slow.touch()  # late again, to the end: the others finish their 200 steps first
+        # Late for the last step, whenever its steps end: held until the others finished and stay for it.
+        # Held from step 180 on (of 200), it is fewer than replay_steps behind when released.
+        wait_until(lambda: nodes[0].step() >= 180, 120, "the others to near their last step", running=nodes)
+        held.touch()
+        stays = "finished training and stays for node2, still on its last step"
+        wait_until(lambda: all(stays in node.log() for node in nodes[:2]), 120, "the others to stay", running=nodes)
+        held.unlink()
         finish(nodes)
     finally:
         house.stop()
@@ -235,8 +241,6 @@ def test_a_slow_node_that_joins_when_ready_is_left_out_catches_up_and_contribute
     assert re.search(r"node2 missed \d+ committed step\(s\) and catches up by replaying", log), log[-6000:]
     assert log.count("catches up by replaying") == 1  # said once; the rest in the summary
     assert re.search(r"behind and caught up: \d+ catch-up\(s\) by replay", log), log[-3000:]
-    for node in nodes[:2]:
-        assert "finished training and stays for node2, still on its last step" in node.log(), node.log()[-3000:]
     assert not any("ended in a quorum of" in node.log() for node in nodes)  # no node ends on its own last step
     results = [node.result(0) for node in nodes]
     assert len({r["fingerprint"] for r in results}) == 1, "the nodes end with different parameters"

@@ -18,6 +18,8 @@ to keep alive train together, so a peer that is only slow to start does not set 
 ``--slow_while PATH`` (test only): each step takes ``--slow_step_s`` seconds more (1) while PATH
 exists, so that a late or relaunched peer, taking up to that many seconds per remaining step to
 start, finds this node still training.
+``--hold_while PATH`` (test only): a step that starts while PATH exists waits until it is gone (its quorum
+not yet joined under join_quorum=when_ready), so that a test can keep this node late for as long as it needs.
 ``--record_samples`` (test only): ``samples_rank<N>.jsonl`` gets one line per batch drawn, the
 hashes of its samples, so that a test can tell which node read what.
 """
@@ -59,6 +61,7 @@ class WorkerArgs:
     corrupt_at: int = 0
     slow_while: str = ""
     slow_step_s: float = 1.0
+    hold_while: str = ""
     record_samples: bool = False
     train_rows: int = 256
 
@@ -75,9 +78,11 @@ def recording(collate, path: Path):
 
 
 class Progress(TrainerCallback):
-    def __init__(self, path: Path, delay: float, corrupt_at: int = 0, slow_while: str = "", slow_step_s: float = 1.0):
-        self.path, self.delay, self.corrupt_at = path, delay, corrupt_at
-        self.slow_while, self.slow_step_s = (Path(slow_while) if slow_while else None), slow_step_s
+    def __init__(self, path: Path, worker: WorkerArgs):
+        self.path, self.delay, self.corrupt_at = path, worker.step_delay, worker.corrupt_at
+        self.slow_while = Path(worker.slow_while) if worker.slow_while else None
+        self.slow_step_s = worker.slow_step_s
+        self.hold_while = Path(worker.hold_while) if worker.hold_while else None
 
     def on_optimizer_step(self, args, state, control, model=None, **kw):
         if self.corrupt_at and state.global_step + 1 >= self.corrupt_at:  # one bit of drift, behind the quorum's back
@@ -102,6 +107,8 @@ class Progress(TrainerCallback):
             time.sleep(self.delay)
         if self.slow_while is not None and self.slow_while.exists():
             time.sleep(self.slow_step_s)
+        while self.hold_while is not None and self.hold_while.exists():
+            time.sleep(0.05)
 
 
 def kill_node_in_exchange(trainer: Trainer, at_step: int) -> None:
@@ -155,9 +162,7 @@ def main() -> None:
     rank = dist.get_rank()
     if worker.record_samples:
         trainer.data_collator = recording(default_data_collator, out / f"samples_rank{rank}.jsonl")
-    progress = Progress(
-        out / f"progress_rank{rank}.jsonl", worker.step_delay, worker.corrupt_at, worker.slow_while, worker.slow_step_s
-    )
+    progress = Progress(out / f"progress_rank{rank}.jsonl", worker)
     trainer.add_callback(progress)
     if worker.kill_node_in_exchange_at:
         kill_node_in_exchange(trainer, worker.kill_node_in_exchange_at)
