@@ -2,7 +2,8 @@
 # Everything the GPU figures of BENCHMARKS.md need, in one run of the `device` tool (under 8 minutes on
 # an H100 or H200), figures written under $OUT. The machine has torch, transformers and accelerate but lacks
 # datasets, evaluate and a few small packages, and cannot download: fetch their wheels here first
-# (the command is in ../shared/NOTES.md, into .whl/, kept out of git) and pass `carry: [".whl"]`.
+# (the command is in ../shared/NOTES.md, into .whl/, kept out of git; add torchft 0.2.0 and its opentelemetry,
+# googleapis-common-protos and protobuf wheels for the fault-tolerant run) and pass `carry: [".whl"]`.
 #
 #   device run: bash benchmarks/gpu_session.sh
 set -uo pipefail
@@ -39,5 +40,33 @@ for optim in flexdemo adamw_torch_fused; do
     >"$OUT/trainer_$optim.txt" 2>&1
 done
 
+
+# The fault-tolerant path on CUDA (torchft's NCCL process group, bf16), as README's fault-tolerant launch
+# starts a node: the Lighthouse, then one node of flexdemo_ft_node.yaml on this one GPU. One GPU is one node
+# (NCCL refuses two ranks on one device), so the quorum is this node alone; the exit code and the absence of
+# "terminate called" say that it trained, committed and freed torchft's group at exit.
+if python -c "import torchft" 2>/dev/null; then
+  # torchft's console script (pip --target puts it in $SITE/bin), or a file calling its entry point (which reads
+  # the process's arguments after the script's path, so `python -c` would not do).
+  printf 'import sys\nfrom torchft._torchft import lighthouse_main\nsys.exit(lighthouse_main())\n' >"$SITE/lighthouse.py"
+  LIGHTHOUSE=(python "$SITE/lighthouse.py")
+  for script in "$(command -v torchft_lighthouse)" "$SITE/bin/torchft_lighthouse"; do
+    if [ -x "$script" ]; then LIGHTHOUSE=("$script"); break; fi
+  done
+  "${LIGHTHOUSE[@]}" --min_replicas 1 --bind 127.0.0.1:29510 --heartbeat_timeout_ms 2000 --join_timeout_ms 2000 \
+    >"$OUT/ft_lighthouse.txt" 2>&1 &
+  LIGHTHOUSE_PID=$!
+  TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=1 timeout 150 \
+    python -m accelerate.commands.launch --config_file accelerate_configs/flexdemo_ft_node.yaml --num_processes 1 \
+    training_scripts/train_olmo2.py --preset offline --bf16 --max_steps 40 --logging_steps 10 \
+    --save_strategy steps --save_steps 20 --output_dir "$SITE/run_ft" \
+    --optim_args "topk=32,chunk=64,fault_tolerance=torchft" >"$OUT/ft_node.txt" 2>&1
+  echo "exit code $?; terminate called: $(grep -c 'terminate called' "$OUT/ft_node.txt")" >>"$OUT/ft_node.txt"
+  kill "$LIGHTHOUSE_PID"
+else
+  echo "torchft is not installed: put its wheel in .whl/ (README, fault-tolerant runs)" >"$OUT/ft_node.txt"
+fi
+
+# Last, so that a slow machine loses only this: the unit tier on CUDA.
 timeout 150 python -m pytest -q -m unit -p no:cacheprovider >"$OUT/unit.txt" 2>&1
 tail -n 3 "$OUT"/*.txt
