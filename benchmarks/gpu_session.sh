@@ -46,13 +46,10 @@ done
 # (NCCL refuses two ranks on one device), so the quorum is this node alone; the exit code and the absence of
 # "terminate called" say that it trained, committed and freed torchft's group at exit.
 if python -c "import torchft" 2>/dev/null; then
-  # torchft's console script (pip --target puts it in $SITE/bin), or a file calling its entry point (which reads
-  # the process's arguments after the script's path, so `python -c` would not do).
+  # torchft_lighthouse's entry point, run by this python (the console script pip --target writes names
+  # another one); the entry point reads the arguments after the script's path, so not `python -c`.
   printf 'import sys\nfrom torchft._torchft import lighthouse_main\nsys.exit(lighthouse_main())\n' >"$SITE/lighthouse.py"
   LIGHTHOUSE=(python "$SITE/lighthouse.py")
-  for script in "$(command -v torchft_lighthouse)" "$SITE/bin/torchft_lighthouse"; do
-    if [ -x "$script" ]; then LIGHTHOUSE=("$script"); break; fi
-  done
   "${LIGHTHOUSE[@]}" --min_replicas 1 --bind 127.0.0.1:29510 --heartbeat_timeout_ms 2000 --join_timeout_ms 2000 \
     >"$OUT/ft_lighthouse.txt" 2>&1 &
   LIGHTHOUSE_PID=$!
