@@ -14,7 +14,8 @@
   ``flexdemo/bytes_sent_per_step``, cumulative ``flexdemo/bytes_sent`` and ``flexdemo/bytes_received``,
   ``flexdemo/dense_bytes`` (what HSDP's dense all-reduce would have sent) and
   ``flexdemo/compression_ratio``; with fault tolerance also ``flexdemo/live_replicas`` (the
-  last quorum's nodes), ``flexdemo/committed_steps`` (steps the quorum committed),
+  last quorum's nodes), ``flexdemo/committed_steps`` (torchft's count of committed rounds: the training
+  steps and the rounds that synchronize before saves, evaluations and the end of training),
   ``flexdemo/samples_per_step`` (samples the last quorum's step trained on, over all its
   nodes: it rises as nodes join) and ``flexdemo/committed_samples`` (samples of every node in
   the steps this node committed since its process started).
