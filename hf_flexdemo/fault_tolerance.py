@@ -160,6 +160,8 @@ class ManagedReplicas:
         if "MASTER_ADDR" not in os.environ:  # one process, not launched by torchrun: the manager needs a store
             self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             store_addr, store_port = "127.0.0.1", self._store.port
+        if self.device.type == "cuda":
+            nccl_nonblocking_timeout(config.ft_timeout)
         self._group = group_class(timeout=timeout)
         try:
             self.manager = torchft.manager.Manager(
@@ -715,6 +717,18 @@ class ManagedReplicas:
         self._group.shutdown()
         self.manager.shutdown(wait=False)
         self._store = None
+
+
+NCCL_NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+
+
+def nccl_nonblocking_timeout(ft_timeout: float) -> None:
+    """Bound NCCL's non-blocking operations by ``ft_timeout``, unless the user set the variable.
+
+    torchft's NCCL group sets this variable to its own timeout when it is unset, with a warning at
+    every node start; set first, it holds the same value and the start says nothing.
+    """
+    os.environ.setdefault(NCCL_NONBLOCKING_TIMEOUT_ENV, str(float(ft_timeout)))
 
 
 def _shut_down_at_exit(replicas: weakref.ref[ManagedReplicas]) -> None:

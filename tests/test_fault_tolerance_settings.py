@@ -93,6 +93,24 @@ def test_the_torchft_api_we_use_is_where_we_call_it():
     assert os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"))
 
 
+def test_nccl_nodes_bound_nonblocking_nccl_by_ft_timeout_without_torchfts_warning(monkeypatch):
+    """On CUDA torchft's group warns at every node start unless TORCH_NCCL_NONBLOCKING_TIMEOUT is set, then sets
+    it to its timeout: the node sets the same value first; a value the user set stands."""
+    import inspect
+
+    from torchft.process_group import ProcessGroupNCCL
+
+    from hf_flexdemo.fault_tolerance import NCCL_NONBLOCKING_TIMEOUT_ENV, nccl_nonblocking_timeout
+
+    assert NCCL_NONBLOCKING_TIMEOUT_ENV in inspect.getsource(ProcessGroupNCCL.__init__), "torchft moved the variable"
+    monkeypatch.delenv(NCCL_NONBLOCKING_TIMEOUT_ENV, raising=False)
+    nccl_nonblocking_timeout(30)
+    assert os.environ[NCCL_NONBLOCKING_TIMEOUT_ENV] == "30.0"  # what torchft writes for timedelta(seconds=30)
+    monkeypatch.setenv(NCCL_NONBLOCKING_TIMEOUT_ENV, "600")
+    nccl_nonblocking_timeout(30)
+    assert os.environ[NCCL_NONBLOCKING_TIMEOUT_ENV] == "600"
+
+
 @contextlib.contextmanager
 def in_process_lighthouse(**options):
     """torchft's Lighthouse server in this process, and a client of it: ``(address, client)``."""
