@@ -40,7 +40,6 @@ for optim in flexdemo adamw_torch_fused; do
     >"$OUT/trainer_$optim.txt" 2>&1
 done
 
-
 # The fault-tolerant path on CUDA (torchft's NCCL process group, bf16), as README's fault-tolerant launch
 # starts a node: the Lighthouse, then one node of flexdemo_ft_node.yaml on this one GPU. One GPU is one node
 # (NCCL refuses two ranks on one device), so the quorum is this node alone; the exit code and the absence of
@@ -49,8 +48,7 @@ if python -c "import torchft" 2>/dev/null; then
   # torchft_lighthouse's entry point, run by this python (the console script pip --target writes names
   # another one); the entry point reads the arguments after the script's path, so not `python -c`.
   printf 'import sys\nfrom torchft._torchft import lighthouse_main\nsys.exit(lighthouse_main())\n' >"$SITE/lighthouse.py"
-  LIGHTHOUSE=(python "$SITE/lighthouse.py")
-  "${LIGHTHOUSE[@]}" --min_replicas 1 --bind 127.0.0.1:29510 --heartbeat_timeout_ms 2000 --join_timeout_ms 2000 \
+  python "$SITE/lighthouse.py" --min_replicas 1 --bind 127.0.0.1:29510 --heartbeat_timeout_ms 2000 --join_timeout_ms 2000 \
     >"$OUT/ft_lighthouse.txt" 2>&1 &
   LIGHTHOUSE_PID=$!
   TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=1 timeout 150 \
