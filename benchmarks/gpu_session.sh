@@ -26,6 +26,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the editable install is not
 # forward and backward on the same GPU; state, peak memory and one profiled step per configuration.
 timeout 240 python benchmarks/gpu_step.py --model olmo2-1b --steps 3 --repeats 5 --profile --fwd_bwd \
   >"$OUT/gpu_step_olmo2.txt" 2>&1
+# One rank of a node of 8 on this GPU: FSDP2's shards, the Newton-Schulz of the matrices this rank owns, the
+# forward and backward (the in-node all-to-alls are not timed; their bytes are printed). Not yet run: about 40 s
+# expected (six 1B forward+backward passes, steps on an eighth of the shapes).
+timeout 90 python benchmarks/gpu_step.py --model olmo2-1b --node_of 8 --fwd_bwd --steps 3 --repeats 5 \
+  >"$OUT/gpu_step_olmo2_node_of_8.txt" 2>&1
 timeout 60 python benchmarks/gpu_step.py --model t5-small --profile --fwd_bwd --batch 32 --seq 512 \
   >"$OUT/gpu_step_t5.txt" 2>&1
 

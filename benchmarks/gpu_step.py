@@ -13,22 +13,54 @@ same shapes (DCT, top-k, error feedback, decode, inverse DCT, signed update), in
 launched, the host's time in the step and the GPU's busy time, and the five costliest kernels.
 ``--fwd_bwd`` times the model's own forward and backward (random weights, bf16, batch
 ``--batch`` x ``--seq`` tokens), the denominator of "share of a training step".
-Refuses to run without CUDA: CPU figures are `optimizer_step.py` and `demo_phases.py`.
+Refuses to run without CUDA (``--node_of N --dry_run`` below excepted): CPU figures are
+`optimizer_step.py` and `demo_phases.py`.
+
+``--node_of N``: one GPU measures what ONE rank of a node of N GPUs does per step (FSDP2 inside
+the node, one node of the job)::
+
+    python benchmarks/gpu_step.py --model olmo2-1b --node_of 8 --fwd_bwd
+    python benchmarks/gpu_step.py --model olmo2-1b --node_of 8 --dry_run   # the plan alone, no GPU
+
+- Every parameter at its FSDP2 shard shape: FSDP2 cuts dim 0 as ``torch.chunk`` does,
+  ``ceil(rows / N)`` rows per rank, the last ranks shorter or empty; rank 0's shard, the
+  largest, is the one timed.
+- Fused AdamW on those shards (what a rank of AdamW-FSDP does), and FlexDeMo on them (plain
+  tensors, no process group, so one replica): ``update='sign'``, and the default rule's pipeline
+  without Newton-Schulz (``sign`` on the matrices it would orthogonalize, ``adam`` on the rest).
+- Newton-Schulz as this rank runs it: each whole matrix has one owner among the node's ranks
+  (``deal_owners`` over the buckets ``build_buckets`` makes of the whole shapes, batched as the
+  optimizer hands them to the rule); this rank orthogonalizes the whole matrices it owns, in the
+  dtype the rule picks on this GPU. "Default rule, one rank of N" is pipeline + Newton-Schulz.
+- Not timed, one GPU being one rank: the rule's two all-to-alls per batch inside the node (the
+  bytes this rank would send and receive are printed, computed from the shapes) and the copies
+  that pack and unpack them, and FSDP2's all-gathers and reduce-scatters. ``--fwd_bwd`` times the whole model's forward and backward
+  of this rank's batch on this GPU, unsharded: the ratio "default rule / fwd+bwd" is the
+  issue's target (at most 10%).
+- ``--dry_run`` prints the plan (shards, owned matrices, all-to-all bytes) on any machine;
+  ``--device cpu`` runs the timing on CPU for ``--model t5-small`` only, as a smoke test.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from demo_phases import median_ms, phase_functions
 from torch.distributed.device_mesh import init_device_mesh
 
-from hf_flexdemo import FlexDeMo
+from hf_flexdemo import FlexDeMo, elementwise_parameters
+from hf_flexdemo.buckets import ParamSlot, build_buckets
+from hf_flexdemo.config import DEFAULT_ELEMENTWISE_UPDATE, NS_DTYPES
+from hf_flexdemo.state_store import StateView
+from hf_flexdemo.updates import with_elementwise_groups
+from hf_flexdemo.updates.orthogonal import OrthogonalRule, deal_owners, scaled_newton_schulz
 from hf_flexdemo.wire import ring_all_reduce_bytes
 
 DEVICE = "cuda"
@@ -63,17 +95,17 @@ def model_shapes(name: str) -> tuple[list[torch.Size], int]:
     return [p.shape for p in model.parameters()], model.config.vocab_size
 
 
-def forward_backward_ms(name: str, batch: int, seq: int, repeats: int) -> float:
+def forward_backward_ms(name: str, batch: int, seq: int, repeats: int, device: str = DEVICE) -> float:
     """Median ms of one forward and backward of the model in bf16 on ``batch`` x ``seq`` random tokens."""
-    model = build_model(name, DEVICE).to(torch.bfloat16)
-    tokens = torch.randint(0, model.config.vocab_size, (batch, seq), device=DEVICE)
+    model = build_model(name, device).to(torch.bfloat16)
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     extra = {"decoder_input_ids": tokens} if model.config.is_encoder_decoder else {}
 
     def once():
         model(input_ids=tokens, labels=tokens, **extra).loss.backward()
         model.zero_grad(set_to_none=True)
 
-    return median_ms(once, repeats, torch.cuda.synchronize)
+    return median_ms(once, repeats, synchronizer(device))
 
 
 def profile_step(step) -> str:
@@ -98,20 +130,265 @@ def profile_step(step) -> str:
     return f"{len(kernels)} kernels, host {host * 1e3:.1f} ms, GPU busy {busy:.1f} ms | {costliest}"
 
 
-def time_steps(step, steps: int, repeats: int) -> float:
+def synchronizer(device: str):
+    """What waits for ``device``'s queued work (nothing to wait for on a CPU)."""
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def time_steps(step, steps: int, repeats: int, sync=torch.cuda.synchronize) -> float:
     for _ in range(steps):
         step()
     times = []
     for _ in range(repeats):
         if dist.is_initialized():
             dist.barrier()
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - start) / steps)
     return statistics.median(times)
+
+
+# -- --node_of N: one rank of a node of N GPUs ---------------------------------------------------
+
+
+def fsdp_shard_shape(shape: torch.Size, n: int, rank: int) -> torch.Size:
+    """``rank``'s FSDP2 shard of a parameter of ``shape`` over ``n`` ranks: dim 0 cut as ``torch.chunk`` does."""
+    if len(shape) == 0:
+        return shape
+    per = math.ceil(shape[0] / n)
+    return torch.Size((max(0, min(per, shape[0] - rank * per)), *shape[1:]))
+
+
+@dataclass(frozen=True)
+class OwnerExchange:
+    """One application of the orthogonal rule to a batch of buckets: one all-to-all out, one back."""
+
+    matrices: tuple[tuple[int, int, int], ...]
+    """``(count, rows, cols)`` of each 2-D bucket the rule orthogonalizes in this batch (whole shapes)."""
+    owned: tuple[int, ...]
+    """How many of each bucket's matrices this rank owns (``deal_owners``)."""
+    out_entries: int
+    """Entries this rank sends the other ranks (its padded row shards of the matrices they own); the
+    back all-to-all brings it as many."""
+    in_entries: int
+    """Entries it receives from the other ranks (their row shards of the matrices it owns); it sends as
+    many back."""
+
+
+@dataclass(frozen=True)
+class NodeShardPlan:
+    """What one rank of a node of ``n`` holds and computes, from the model's shapes alone."""
+
+    n: int
+    rank: int
+    whole_shapes: tuple[torch.Size, ...]
+    """Every parameter's shape, in ``model.parameters()`` order."""
+    shard_shapes: tuple[torch.Size, ...]
+    """This rank's FSDP2 shard of each."""
+    orthogonalized: tuple[bool, ...]
+    """Whether the default rule orthogonalizes the parameter (2-D, not an embedding or output head)."""
+    exchanges: tuple[OwnerExchange, ...]
+
+    def owned_matrices(self) -> list[tuple[int, int, int]]:
+        """``(count, rows, cols)`` of the whole matrices this rank orthogonalizes, one entry per bucket."""
+        return [
+            (mine, rows, cols)
+            for exchange in self.exchanges
+            for mine, (_, rows, cols) in zip(exchange.owned, exchange.matrices)
+            if mine
+        ]
+
+    def all_to_all_bytes(self, ns_dtype: torch.dtype) -> tuple[int, int]:
+        """Bytes this rank sends and receives over the node's links per step, both all-to-alls of every
+        batch: out in float32, back in Newton-Schulz's dtype (what stays on the rank is not counted)."""
+        back = torch.finfo(ns_dtype).bits // 8
+        out = sum(e.out_entries for e in self.exchanges)
+        into = sum(e.in_entries for e in self.exchanges)
+        return 4 * out + back * into, 4 * into + back * out
+
+
+def node_shard_plan(model: torch.nn.Module, n: int, rank: int = 0) -> NodeShardPlan:
+    """Rank ``rank``'s shards of ``model`` (any device; ``meta`` allocates nothing) in a node of ``n``, and the
+    whole matrices it owns under the default rule.
+
+    The groups are the Trainer's (embeddings and heads apart, ``elementwise_parameters``), the buckets
+    ``build_buckets``'s over the whole shapes, batched for the rule as ``FlexDeMo._decode_and_apply``
+    does (a batch closes at ``bucket_entries`` whole entries), and each batch's matrices dealt by
+    ``deal_owners``, as ``_orthogonalize_by_owner`` deals them.
+    """
+    if not (isinstance(n, int) and n >= 1 and 0 <= rank < n):
+        raise ValueError(f"--node_of={n} with rank {rank} is invalid; N must be a positive integer and 0 <= rank < N.")
+    tables = elementwise_parameters(model)
+    table_ids = {id(p) for p in tables}
+    params = [p for p in model.parameters() if p.requires_grad]
+    slots_by_group, index = [], 0
+    for group in with_elementwise_groups(params, tables, DEFAULT_ELEMENTWISE_UPDATE):
+        rule = {"update": group.get("update", OrthogonalRule.name)}  # the optimizer's default rule for demo
+        slots = []
+        for p in group["params"]:
+            index += 1
+            local = torch.empty(fsdp_shard_shape(p.shape, n, rank), dtype=p.dtype, device="meta")
+            slots.append(ParamSlot(local, StateView(None, p, local, {}), rule, index))
+        slots_by_group.append(slots)
+    batches, batch, entries = [], [], 0
+    for bucket in build_buckets(slots_by_group, FlexDeMo.bucket_entries):
+        batch.append(bucket)
+        entries += bucket.count * bucket.full_shape.numel()
+        if entries >= FlexDeMo.bucket_entries:
+            batches.append(batch)
+            batch, entries = [], 0
+    batches.append(batch)
+    exchanges = []
+    for batch in batches:
+        buckets = [b for b in batch if b.group["update"] == OrthogonalRule.name and len(b.full_shape) == 2]
+        if not buckets:
+            continue
+        matrices = tuple((b.count, *b.full_shape) for b in buckets)
+        owned = deal_owners(tuple((count, rows * cols) for count, rows, cols in matrices), n)
+        block = [math.ceil(rows / n) * cols for _, rows, cols in matrices]  # one padded row shard
+        out = sum(owned[j][q] * block[j] for q in range(n) if q != rank for j in range(len(matrices)))
+        into = (n - 1) * sum(owned[j][rank] * block[j] for j in range(len(matrices)))
+        exchanges.append(OwnerExchange(matrices, tuple(row[rank] for row in owned), out, into))
+    return NodeShardPlan(
+        n=n,
+        rank=rank,
+        whole_shapes=tuple(p.shape for p in params),
+        shard_shapes=tuple(fsdp_shard_shape(p.shape, n, rank) for p in params),
+        orthogonalized=tuple(p.dim() == 2 and id(p) not in table_ids for p in params),
+        exchanges=tuple(exchanges),
+    )
+
+
+def rule_ns_dtype(device: str, setting: str | None = None) -> torch.dtype:
+    """The dtype the orthogonal rule's Newton-Schulz iterates in on ``device`` (``setting``: ``ns_dtype``, the
+    optimizer's default when None): asked of the optimizer itself, one step on a small matrix."""
+    param = torch.nn.Parameter(torch.zeros(8, 8, device=device))
+    param.grad = torch.ones_like(param)
+    opt = FlexDeMo([param], topk=1, chunk=4, elementwise=[], **({"ns_dtype": setting} if setting else {}))
+    opt.step()
+    return opt.rules[OrthogonalRule.name].dtype
+
+
+def describe_plan(name: str, plan: NodeShardPlan, ns_dtype: torch.dtype, verbose: bool = False) -> list[str]:
+    """The plan in words: shards, owned matrices and the all-to-all bytes."""
+    whole = sum(s.numel() for s in plan.whole_shapes)
+    shard = sum(s.numel() for s in plan.shard_shapes)
+    entries = [count * rows * cols for exchange in plan.exchanges for count, rows, cols in exchange.matrices]
+    owned = sum(count * rows * cols for count, rows, cols in plan.owned_matrices())
+    n_owned = sum(count for count, _, _ in plan.owned_matrices())
+    n_all = sum(count for exchange in plan.exchanges for count, _, _ in exchange.matrices)
+    sent, received = plan.all_to_all_bytes(ns_dtype)
+    ns = str(ns_dtype).removeprefix("torch.")
+    lines = [
+        f"{name} as rank {plan.rank} of a node of {plan.n} (FSDP2 shards: ceil(rows / {plan.n}) rows per rank, "
+        f"rank 0's the largest)",
+        f"  this rank's shards: {shard / 1e6:.1f}M of {whole / 1e6:.1f}M parameters ({len(plan.whole_shapes)} tensors)",
+        f"  Newton-Schulz: this rank owns {n_owned} of {n_all} whole matrices, {owned / 1e6:.1f}M entries "
+        f"(a rank's average {sum(entries) / plan.n / 1e6:.1f}M), in {ns}",
+        f"  not timed (one GPU): the rule's in-node all-to-alls, {2 * len(plan.exchanges)} per step "
+        f"({len(plan.exchanges)} batches, out in float32, back in {ns}): this rank sends {sent / 1e6:.1f} MB and "
+        f"receives {received / 1e6:.1f} MB; FSDP2's all-gathers and reduce-scatters",
+    ]
+    for i, exchange in enumerate(plan.exchanges if verbose else ()):
+        mine = zip(exchange.owned, exchange.matrices)
+        owns = ", ".join(f"{owned} of {count} x {rows}x{cols}" for owned, (count, rows, cols) in mine)
+        out, into = exchange.out_entries / 1e6, exchange.in_entries / 1e6
+        back = f"back: the reverse, in {ns}"
+        lines.append(f"    batch {i}: owns {owns}; out sends {4 * out:.1f} MB, receives {4 * into:.1f} MB ({back})")
+    return lines
+
+
+def node_rank_ms(args: argparse.Namespace, plan: NodeShardPlan, ns_dtype: torch.dtype, device: str) -> dict:
+    """Median ms per step of each part of one rank's step on ``plan``'s shards (see the module doc)."""
+    sync = synchronizer(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    bf16 = dict(generator=g, device=device, dtype=torch.bfloat16)
+    params = [torch.nn.Parameter(torch.randn(s, **bf16) * 0.02) for s in plan.shard_shapes]
+    grads = [torch.randn(s, **bf16) * 1e-3 for s in plan.shard_shapes]
+    matrices = [p for p, ortho in zip(params, plan.orthogonalized) if ortho]
+    others = [p for p, ortho in zip(params, plan.orthogonalized) if not ortho]
+    settings = {"lr": 1e-4, "topk": args.topk, "chunk": args.chunk}
+    makers = {
+        "adamw (fused)": lambda: torch.optim.AdamW(params, lr=1e-4, fused=True),
+        "flexdemo sign": lambda: FlexDeMo(params, update="sign", **settings),
+        # The default rule less its Newton-Schulz: sign's few element-wise ops stand in for the subtraction
+        # of each matrix's orthogonalized rows; the rest take the element-wise rule as they would.
+        "pipeline": lambda: FlexDeMo(
+            [{"params": matrices}, {"params": others, "update": DEFAULT_ELEMENTWISE_UPDATE}], update="sign", **settings
+        ),
+    }
+    times = {}
+    for name, make in makers.items():
+        opt = make()
+        if isinstance(opt, FlexDeMo):  # buckets of as many shards as the node's buckets hold whole parameters
+            opt.bucket_entries = max(1, FlexDeMo.bucket_entries // plan.n)
+
+        def step(opt=opt):
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            opt.step()
+
+        times[name] = time_steps(step, args.steps, args.repeats, sync) * 1e3
+        del opt
+    params.clear(), grads.clear(), matrices.clear(), others.clear()
+    wholes = [torch.randn(shape, generator=g, device=device) for shape in plan.owned_matrices()]
+
+    def newton_schulz_owned():
+        for whole in wholes:
+            scaled_newton_schulz(whole, ns_dtype)
+
+    times["newton-schulz"] = time_steps(newton_schulz_owned, args.steps, args.repeats, sync) * 1e3
+    wholes.clear()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    if args.fwd_bwd:
+        times["fwd+bwd"] = forward_backward_ms(args.model, args.batch, args.seq, args.repeats, device)
+    return times
+
+
+def node_of_main(args: argparse.Namespace) -> None:
+    """``--node_of N``: the plan (``--dry_run``), or the timing of one rank's step (see the module doc)."""
+    if "WORLD_SIZE" in os.environ:
+        raise SystemExit("--node_of times one rank of a node on one GPU: run it with python, not torchrun.")
+    if args.only or args.profile:
+        raise SystemExit("--only and --profile apply to the whole-model mode; drop them with --node_of.")
+    if args.device == "cpu" and not args.dry_run and args.model != "t5-small":
+        raise SystemExit("--device cpu is a smoke test: use it with --model t5-small (or --dry_run); figures need CUDA")
+    if args.device == "cuda" and not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu_step.py needs a CUDA GPU; --dry_run prints the --node_of plan without one.")
+    plan = node_shard_plan(build_model(args.model), args.node_of)
+    if args.dry_run:  # no device: the dtype the rule takes on a GPU of compute capability 8.0 or newer
+        ns_dtype = NS_DTYPES[args.ns_dtype or "bf16"]
+        print("\n".join(describe_plan(args.model, plan, ns_dtype, verbose=True)))
+        return
+    ns_dtype = rule_ns_dtype(args.device, args.ns_dtype)
+    times = node_rank_ms(args, plan, ns_dtype, args.device)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (a smoke test, not a figure)"
+    lines = describe_plan(args.model, plan, ns_dtype)
+    lines[0] += f", bf16, {where}"
+    default = times["pipeline"] + times["newton-schulz"]
+    fwd_bwd = times.get("fwd+bwd")
+    if fwd_bwd is not None:
+        lines.append(
+            f"  forward+backward of {args.batch} x {args.seq} tokens: {fwd_bwd:.1f} ms (the whole model on this "
+            f"device, not sharded; FSDP2's gathers not timed)"
+        )
+    rows = [
+        ("adamw (fused) on the shards (a rank of AdamW-FSDP)", times["adamw (fused)"]),
+        ("flexdemo sign on the shards", times["flexdemo sign"]),
+        ("flexdemo default rule less Newton-Schulz, on the shards", times["pipeline"]),
+        ("Newton-Schulz of the whole matrices this rank owns", times["newton-schulz"]),
+        (f"flexdemo default rule, one rank of {plan.n} (sum of the two above)", default),
+    ]
+    for name, ms in rows:
+        share = f"  {ms / fwd_bwd:6.1%} of fwd+bwd" if fwd_bwd else ""
+        lines.append(f"  {name:66s} {ms:8.2f} ms{share}")
+    if fwd_bwd:
+        lines.append(f"  default rule / fwd+bwd: {default / fwd_bwd:.1%} (target: at most 10%)")
+    print("\n".join(lines))
 
 
 def main() -> None:
@@ -126,7 +403,16 @@ def main() -> None:
     parser.add_argument("--fwd_bwd", action="store_true", help="also time the model's forward and backward")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--node_of", type=int, help="time one rank of a node of N GPUs (see the module doc)")
+    parser.add_argument("--dry_run", action="store_true", help="with --node_of: print the plan, time nothing")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: --node_of smoke test only")
+    parser.add_argument("--ns_dtype", choices=sorted(NS_DTYPES), help="with --node_of: default, the rule's own choice")
     args = parser.parse_args()
+    if args.node_of is not None:
+        node_of_main(args)
+        return
+    if args.dry_run or args.device != "cuda" or args.ns_dtype:
+        raise SystemExit("--dry_run, --device and --ns_dtype apply to --node_of N.")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu_step.py needs a CUDA GPU; on CPU run benchmarks/optimizer_step.py.")
 
