@@ -8,7 +8,9 @@ A step is profiled with ``torch.profiler`` after two warm-up steps. Counted:
 
 - ``leaf ops``: aten operations with no aten operation beneath them. A ``_foreach_*`` operation
   counts once: on CUDA it is one multi-tensor kernel, while its CPU fallback calls a kernel per
-  tensor underneath;
+  tensor underneath. So does a batched matrix product (``bmm``, ``baddbmm``): one kernel on CUDA,
+  while torch's CPU kernel loops over the batch where the CPU has no fast path for the dtype (bf16
+  on a CPU with AVX2 only), so the count does not depend on the CPU;
 - ``launches``: operations that run a kernel: not views or other metadata-only operations, and with
   no such operation beneath them (a ``bmm`` whose only children resolve its operands' conjugation);
 - ``host syncs``: operations that copy a device value to the host (``item``, ``nonzero``, ...).
@@ -69,6 +71,9 @@ METADATA_OPS = frozenset(
 """Operations that only make a new view or an uninitialised buffer: no kernel runs on a GPU (a ``to``
 that converts does its work in a ``copy_`` beneath it, which counts)."""
 
+ONE_KERNEL_OPS = ("aten::_foreach_", "aten::bmm", "aten::baddbmm")
+"""Operations (name prefixes) that are one kernel on a GPU whatever their CPU kernel calls beneath them."""
+
 HOST_SYNC_OPS = frozenset({"aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::equal"})
 """Operations that wait for the device and copy a value to the host."""
 
@@ -103,31 +108,31 @@ def olmo2_shapes(layers: int, hidden: int, vocab: int = 1024) -> tuple[list[torc
 def step_op_counts(run: Callable[[], None]) -> dict[str, Counter]:
     """The aten operations of one call of ``run``, by name: ``leaf`` and ``launch`` ones (see the module doc).
 
-    A ``launch`` is an operation that is not metadata-only and has no such operation beneath it (a
-    ``bmm`` that only resolves its operands' conjugation underneath is one). A ``_foreach_*`` is one of each.
+    A ``launch`` is an operation that is not metadata-only and has no such operation beneath it. A
+    ``_foreach_*`` or a batched matrix product (:data:`ONE_KERNEL_OPS`) is one of each.
     """
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run()
     events = [e for e in prof.events() if e.name.startswith("aten::")]
 
-    def under_foreach(event) -> bool:
+    def under_one_kernel(event) -> bool:
         parent = event.cpu_parent
         while parent is not None:
-            if parent.name.startswith("aten::_foreach_"):
+            if parent.name.startswith(ONE_KERNEL_OPS):
                 return True
             parent = parent.cpu_parent
         return False
 
-    counted = [e for e in events if not under_foreach(e)]
+    counted = [e for e in events if not under_one_kernel(e)]
     parents = {id(e.cpu_parent) for e in counted if e.cpu_parent is not None}
     working_parents = {id(e.cpu_parent) for e in counted if e.cpu_parent is not None and e.name not in METADATA_OPS}
     leaf: Counter = Counter()
     launch: Counter = Counter()
     for event in counted:
-        foreach = event.name.startswith("aten::_foreach_")
-        if foreach or id(event) not in parents:
+        one_kernel = event.name.startswith(ONE_KERNEL_OPS)
+        if one_kernel or id(event) not in parents:
             leaf[event.name] += 1
-        if foreach or (event.name not in METADATA_OPS and id(event) not in working_parents):
+        if one_kernel or (event.name not in METADATA_OPS and id(event) not in working_parents):
             launch[event.name] += 1
     return {"leaf": leaf, "launch": launch}
 
@@ -140,13 +145,35 @@ def summarize(counts: dict[str, Counter]) -> dict[str, int]:
     }
 
 
+def random_parameters(
+    shapes: list[torch.Size], generator: torch.Generator, dtype: torch.dtype = torch.float32
+) -> list[torch.nn.Parameter]:
+    """Parameters of ``shapes`` in ``dtype``, drawn from ``generator`` (the benchmarks' model, without its modules)."""
+    return [torch.nn.Parameter((torch.randn(s, generator=generator) * 0.02).to(dtype)) for s in shapes]
+
+
+def random_grads(params: list[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
+    """Gradients for ``params``, of their dtype, drawn from ``generator``."""
+    return [(torch.randn(p.shape, generator=generator) * 1e-3).to(p.dtype) for p in params]
+
+
+def flexdemo_optimizer(params: list[torch.nn.Parameter], vocab: int, kwargs: dict) -> FlexDeMo:
+    """FlexDeMo over OLMo2's ``params`` as the Trainer builds it: the embedding and head element-wise.
+
+    They are the first and last parameters (``elementwise_parameters`` of the model picks those): not every
+    tensor of ``vocab`` rows, since at width ``vocab / 4`` the MLP's gate and up projections have as many.
+    """
+    tables = [params[0], params[-1]]
+    assert all(p.shape[0] == vocab for p in tables), [p.shape for p in tables]
+    return FlexDeMo(params, lr=1e-3, weight_decay=0.01, elementwise=tables, **kwargs)
+
+
 def flexdemo_step_counts(shapes: list[torch.Size], vocab: int, kwargs: dict, seed: int = 0) -> dict[str, Counter]:
     """The operations of FlexDeMo's third step (one process) on parameters of ``shapes``."""
     g = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
-    grads = [torch.randn(s, generator=g) * 1e-3 for s in shapes]
-    tables = [p for p in params if p.shape[0] == vocab]
-    opt = FlexDeMo(params, lr=1e-3, weight_decay=0.01, elementwise=tables, **kwargs)
+    params = random_parameters(shapes, g)
+    grads = random_grads(params, g)
+    opt = flexdemo_optimizer(params, vocab, kwargs)
 
     def step():
         for p, grad in zip(params, grads):

@@ -18,7 +18,9 @@ from .compression import DECODE_MODES, VALUE_BITS
 
 SCHEMES = ("demo", "random", "striding", "diloco", "sparseloco", "full", "none")
 NS_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "float32": torch.float32}
-"""Newton-Schulz's arithmetic (update='orthogonal')."""
+"""Newton-Schulz's arithmetic (update='orthogonal'); ``auto`` picks one by device
+(:func:`hf_flexdemo.updates.orthogonal.newton_schulz_dtype`)."""
+NS_DTYPE_CHOICES = ("auto", *NS_DTYPES)
 
 VALUE_DTYPES: dict[str, torch.dtype | None] = {
     "param": None,
@@ -84,10 +86,13 @@ class FlexDeMoConfig:
         },
     )
     ns_dtype: str = field(
-        default="bf16",
+        default="auto",
         metadata={
-            "help": "update='orthogonal': dtype of the Newton-Schulz iteration, 'bf16' (as Muon; tensor cores on a "
-            "GPU) or 'float32'. The update is normalised in float32 first, so tiny updates stay exact in scale."
+            "help": "update='orthogonal': dtype of the Newton-Schulz iteration. 'auto' (default): bf16 where every "
+            "replica's device multiplies bf16 fast (a CUDA GPU of compute capability 8.0 or newer; a CPU whose torch "
+            "routes bf16 matrix products to oneDNN), float32 elsewhere (a CPU with AVX2 only multiplies bf16 about "
+            "16x slower than float32). 'bf16' (as Muon) or 'float32' forces one. The update is normalised in float32 "
+            "first, so tiny updates stay exact in scale."
         },
     )
     decode: str = field(
@@ -193,8 +198,8 @@ class FlexDeMoConfig:
         self._resolve_rules()
         validate_group(dataclasses.asdict(self), scheme=self.scheme, elementwise_update=self.elementwise_update)
         _check_choice("decode", self.decode, DECODE_MODES)
-        _check_choice("ns_dtype", self.ns_dtype, tuple(NS_DTYPES))
-        if self.ns_dtype != "bf16" and self.update != "orthogonal":  # it would be ignored
+        _check_choice("ns_dtype", self.ns_dtype, NS_DTYPE_CHOICES)
+        if self.ns_dtype != "auto" and self.update != "orthogonal":  # it would be ignored
             raise ValueError(
                 f"FlexDeMo: ns_dtype={self.ns_dtype!r} applies to update='orthogonal' (its Newton-Schulz "
                 f"iteration), but update is {self.update!r}; drop ns_dtype, or set update='orthogonal'."
@@ -319,7 +324,7 @@ class FlexDeMoConfig:
             keys = ["scheme", *(("topk", "chunk") if self.scheme == "demo" else ()), "decay", "update"]
             keys += ["sign"] if self.update == "sign" else []  # sign=False: the decoded update as it is
             keys += ["elementwise_update"] if self.update == "orthogonal" else []
-            keys += ["ns_dtype"] if self.update == "orthogonal" and self.ns_dtype != "bf16" else []
+            keys += ["ns_dtype"] if self.update == "orthogonal" and self.ns_dtype != "auto" else []
             keys += ["decode"] if self.scheme == "demo" and not self.shared_indices else []  # shared: a sum
             keys += ["rate"] if self.scheme in SUBSET_SCHEMES else []
             keys += ["value_dtype", "replicate_every"] if self.scheme != "none" else []  # none sends nothing

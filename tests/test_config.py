@@ -41,6 +41,7 @@ BAD = [
     (dict(shared_indices=True, pack_indices=True), "pack_indices=True", "Set pack_indices=False"),
     (dict(ns_dtype="fp16"), "ns_dtype='fp16'", "'bf16', 'float32'"),
     (dict(update="sign", ns_dtype="float32"), "ns_dtype='float32'", "update='orthogonal'"),
+    (dict(update="sign", ns_dtype="bf16"), "ns_dtype='bf16'", "update='orthogonal'"),
     (dict(replay_steps=-1), "replay_steps=-1", ">= 0"),
     (dict(fault_tolerance="torchft", join_quorum="late"), "join_quorum='late'", "'before_forward', 'when_ready'"),
     (dict(join_quorum="when_ready"), "join_quorum='when_ready'", "fault_tolerance=torchft"),
@@ -143,7 +144,9 @@ def test_a_fraction_with_a_zero_denominator_is_refused_clearly():
         (dict(scheme="random"), ["rate", "sign"], ["topk", "chunk", "decode"]),
         (dict(scheme="none"), ["decay", "update"], ["value_dtype", "replicate_every", "topk"]),
         (dict(scheme="diloco"), ["inner_steps", "outer_lr"], ["decay", "update", "sign", "topk"]),
-        (dict(ns_dtype="float32"), ["update", "ns_dtype"], ["sign"]),  # the default, bf16, goes unsaid
+        (dict(ns_dtype="float32"), ["update", "ns_dtype"], ["sign"]),
+        (dict(ns_dtype="bf16"), ["update", "ns_dtype"], ["sign"]),
+        (dict(ns_dtype="auto"), ["update"], ["ns_dtype"]),  # the default, by device, goes unsaid
     ],
 )
 def test_a_summary_lists_the_settings_that_act(kwargs, acting, ignored):

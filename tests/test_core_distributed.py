@@ -49,8 +49,10 @@ def test_each_scheme_lowers_the_loss(ranks, scheme):
 def test_counters_equal_the_bytes_put_on_the_wire(ranks, scheme):
     for rank in ranks:
         steps = rank["schemes"][scheme]["per_step"]
-        # Step 1 also carries the one-off start check (an 8-byte fingerprint per replica).
-        assert steps[0]["wire"] == steps[0]["counted"] + 8
+        # Step 1 also carries the one-off start check (an 8-byte fingerprint per replica), and with
+        # ns_dtype='auto' the replicas' agreement on Newton-Schulz's dtype (an 8-byte flag).
+        start = 8 + (8 if rank["schemes"][scheme]["ns_dtype_agreed"] else 0)
+        assert steps[0]["wire"] == steps[0]["counted"] + start
         for i, step in enumerate(steps[1:], start=2):
             assert step["counted"] == step["wire"], f"rank {rank['rank']} step {i}"
         assert rank["schemes"][scheme]["total_sent"] == sum(s["counted"] for s in steps)
@@ -124,8 +126,9 @@ def test_overlap_applies_the_same_updates_one_step_late(ranks):
         assert result["overlap=True"]["pending_before_flush"] and not result["overlap=False"]["pending_before_flush"]
         for mode in ("overlap=False", "overlap=True"):
             assert result[mode]["replicas_equal"]
-            # The wire also carries the one-off start check (8 bytes) besides the counted exchange.
-            assert result[mode]["wire"] == result[mode]["counted"] + 8
+            # The wire also carries the one-off start check (8 bytes) besides the counted exchange, and the
+            # default rule's agreement on ns_dtype='auto' (8 bytes).
+            assert result[mode]["wire"] == result[mode]["counted"] + 8 + 8
 
 
 def test_a_drifting_replica_is_caught(ranks):
@@ -150,3 +153,15 @@ def test_multi_process_job_without_mesh_is_refused(ranks):
 def test_replicas_start_from_replica_zero(ranks):
     for rank in ranks:
         assert rank["start_sync"] == {"differed_before": True, "equal_after": True}
+
+
+def test_ns_dtype_auto_takes_one_dtype_for_the_whole_job(ranks):
+    """bf16 only where every process multiplies it fast: a node without bf16 units puts the job on float32."""
+    for rank in ranks:
+        assert rank["ns_dtype"] == {
+            "all_fast": "torch.bfloat16",
+            "node1_slow": "torch.float32",
+            "node1_slow_forced": "torch.bfloat16",  # an explicit ns_dtype is the user's choice, on every node
+            "rule_dtype": "torch.float32",
+            "replicas_equal": True,
+        }

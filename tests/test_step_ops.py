@@ -22,8 +22,29 @@ BUDGET = {"sign": 2_500, "default": 3_500}
 """Leaf operations per step at OLMo2's 16 layers (issue 24's targets; 21,320 and 32,868 before buckets)."""
 
 
+NEWTON_SCHULZ_ARITHMETIC = {
+    "bf16": torch.bfloat16,  # what ns_dtype='auto' takes on a GPU or a CPU with oneDNN's bf16 path
+    "float32": torch.float32,  # what it takes on a CPU with AVX2 only
+    # float16 products on this CPU loop over the batch in torch's CPU kernel, as bf16 ones do on a CPU with AVX2
+    # only (issue 34: there the counts grew with the layers): what the count must not see.
+    "looping CPU kernel": torch.float16,
+}
+
+
+@pytest.fixture(params=sorted(NEWTON_SCHULZ_ARITHMETIC))
+def newton_schulz_arithmetic(request, monkeypatch):
+    """Each dtype the default rule's Newton-Schulz may run in, whatever this CPU would pick."""
+    from hf_flexdemo.updates import orthogonal
+
+    dtype = NEWTON_SCHULZ_ARITHMETIC[request.param]
+    monkeypatch.setattr(orthogonal, "newton_schulz_dtype", lambda setting, device: dtype)
+    return request.param
+
+
 @pytest.mark.parametrize("config", ["sign", "default", "default top24 2-bit"])
-def test_kernel_launches_per_step_do_not_grow_with_the_number_of_layers(config):
+def test_kernel_launches_per_step_do_not_grow_with_the_number_of_layers(config, newton_schulz_arithmetic):
+    if config == "sign" and newton_schulz_arithmetic != "bf16":
+        pytest.skip("update=sign runs no Newton-Schulz")
     counts = {}
     for layers in (2, 6):
         shapes, vocab = olmo2_shapes(layers, hidden=32)
@@ -36,7 +57,9 @@ def test_kernel_launches_per_step_do_not_grow_with_the_number_of_layers(config):
 
 
 @pytest.mark.parametrize("config", sorted(BUDGET))
-def test_a_step_on_olmo2s_16_layers_stays_within_its_operation_budget(config):
+def test_a_step_on_olmo2s_16_layers_stays_within_its_operation_budget(config, newton_schulz_arithmetic):
+    if config == "sign" and newton_schulz_arithmetic != "bf16":
+        pytest.skip("update=sign runs no Newton-Schulz")
     shapes, vocab = olmo2_shapes(16, hidden=32)
     assert len(shapes) == 179
     figures = summarize(flexdemo_step_counts(shapes, vocab, CONFIGS[config]))
@@ -51,3 +74,32 @@ def test_the_count_sees_per_tensor_work():
     looped = step_op_counts(lambda: [t.add_(t) for t in tensors])
     fused = step_op_counts(lambda: torch._foreach_add_(tensors, tensors))
     assert sum(looped["launch"].values()) == 10 and sum(fused["launch"].values()) == 1
+
+
+def test_a_batched_product_is_one_kernel_whatever_the_cpu_kernel_does_beneath():
+    """On this CPU a float16 bmm loops over the batch underneath (as bf16 does on a CPU with AVX2 only): still one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from step_ops import step_op_counts
+
+    a, b = torch.randn(8, 16, 16, dtype=torch.float16), torch.randn(8, 16, 16, dtype=torch.float16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.bmm(a, b)
+    assert sum(e.name == "aten::as_strided" for e in prof.events()) >= 8  # the loop the count must not see
+    counts = step_op_counts(lambda: torch.bmm(a, b))
+    assert counts["launch"] == {"aten::bmm": 1} and counts["leaf"] == {"aten::bmm": 1}
+
+
+def test_the_default_rule_takes_newton_schulzs_dtype_from_the_device_policy(newton_schulz_arithmetic, monkeypatch):
+    """The fixture above reaches the rule: a step iterates in the dtype forced."""
+    from hf_flexdemo.updates import orthogonal
+    from step_ops import CONFIGS, FlexDeMo
+
+    seen, iterate = [], orthogonal.newton_schulz
+    monkeypatch.setattr(orthogonal, "newton_schulz", lambda m, **kw: seen.append(kw["dtype"]) or iterate(m, **kw))
+    params = [torch.nn.Parameter(torch.randn(32, 16)), torch.nn.Parameter(torch.randn(16))]
+    opt = FlexDeMo(params, lr=1e-3, elementwise=[], **CONFIGS["default"])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert seen == [NEWTON_SCHULZ_ARITHMETIC[newton_schulz_arithmetic]]

@@ -392,6 +392,62 @@ def test_newton_schulz_in_bf16_orthogonalizes_as_float32_does():
     torch.testing.assert_close(tiny, half, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "device,fast,expected",
+    [
+        ("cpu", True, torch.bfloat16),  # torch sends bf16 products to oneDNN (AVX-512, AMX)
+        ("cpu", False, torch.float32),  # AVX2 only: bf16 products loop, about 16x slower than float32
+        ("cuda", (8, 0), torch.bfloat16),  # Ampere and newer: bf16 tensor cores
+        ("cuda", (7, 0), torch.float32),  # V100: no bf16 units
+        ("mps", None, torch.float32),
+    ],
+)
+def test_ns_dtype_auto_picks_bf16_only_where_the_device_multiplies_it_fast(monkeypatch, device, fast, expected):
+    from hf_flexdemo.updates import orthogonal
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: fast)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: fast)
+    assert orthogonal.newton_schulz_dtype("auto", torch.device(device)) == expected
+    # An explicit choice stands on every device.
+    assert orthogonal.newton_schulz_dtype("bf16", torch.device(device)) == torch.bfloat16
+    assert orthogonal.newton_schulz_dtype("float32", torch.device(device)) == torch.float32
+
+
+def test_the_optimizer_iterates_in_the_dtype_the_device_policy_gives(monkeypatch):
+    """This CPU's answer forced both ways: the default rule follows it, and ns_dtype overrides it."""
+    from hf_flexdemo.updates import orthogonal
+
+    seen, iterate = [], orthogonal.newton_schulz
+    monkeypatch.setattr(orthogonal, "newton_schulz", lambda m, **kw: seen.append(kw["dtype"]) or iterate(m, **kw))
+    for fast, ns_dtype, expected in [
+        (True, "auto", torch.bfloat16),
+        (False, "auto", torch.float32),
+        (False, "bf16", torch.bfloat16),
+        (True, "float32", torch.float32),
+    ]:
+        monkeypatch.setattr(orthogonal, "multiplies_bf16_fast", lambda device, fast=fast: fast)
+        seen.clear()
+        params = make_params()
+        opt = FlexDeMo(params, **{**SMALL, "update": "orthogonal", "ns_dtype": ns_dtype}, elementwise=[])
+        train(opt, params, 2)
+        assert seen and set(seen) == {expected}, (fast, ns_dtype, seen)
+
+
+def test_nodes_that_would_iterate_in_different_dtypes_do_not_fit_one_job(monkeypatch):
+    """Under torchft each node decides alone: what it took is part of what nodes compare when they meet."""
+    from hf_flexdemo.updates import orthogonal
+
+    described = {}
+    for fast in (True, False):
+        monkeypatch.setattr(orthogonal, "multiplies_bf16_fast", lambda device, fast=fast: fast)
+        opt = FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal"}, elementwise=[])
+        described[fast] = opt._describe_layout()["settings"]["ns_dtype"]
+    assert described[True] != described[False]
+    assert "bf16" in described[True] and "float32" in described[False] and "set ns_dtype=" in described[False]
+    opt = FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal", "ns_dtype": "float32"}, elementwise=[])
+    assert opt._describe_layout()["settings"]["ns_dtype"] == "float32"
+
+
 def orthogonal_step(update, dtype):
     from hf_flexdemo.updates.orthogonal import scaled_newton_schulz
 

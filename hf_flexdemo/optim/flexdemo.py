@@ -122,7 +122,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         *,
         update: str | None = None,
         elementwise_update: str | None = None,
-        ns_dtype: str = "bf16",
+        ns_dtype: str = "auto",
         decode: str = "selected",
         value_dtype: str = "param",
         scheme: str = "demo",
@@ -549,6 +549,10 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
                 slot.state.counters(COUNTERS, 2)
                 self.scheme.check_state(slot)
                 self._rule(bucket.group).check_state(slot)
+        if any(bucket.group["update"] == "orthogonal" for bucket in buckets):
+            # Under torchft the nodes compare the dtype they took when they meet (no quorum is open here).
+            group = self.topology.group if self._managed is None and self.topology.is_replicated else None
+            self.rules["orthogonal"].settle_dtype(buckets[0].device, group)
         self._buckets, self._bucket_signature = buckets, signature
         self._verify_state = False
         self._host_step = None

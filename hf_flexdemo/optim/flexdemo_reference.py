@@ -17,6 +17,7 @@ import math
 import torch
 
 from ..config import DEFAULT_ELEMENTWISE_UPDATE, default_update
+from ..updates.orthogonal import newton_schulz_dtype
 
 
 def _divisor(n: int, limit: int) -> int:
@@ -76,7 +77,7 @@ class FlexDeMoReference:
             "sign": True,
             "update": None,  # None: as FlexDeMoConfig resolves it
             "elementwise_update": None,
-            "ns_dtype": "bf16",
+            "ns_dtype": "auto",
             "decode": "selected",
             "scheme": "demo",
             "replicate_every": 1,
@@ -149,7 +150,7 @@ class FlexDeMoReference:
                 flat[j] -= hp["lr"] * g[j] / ((v[j] / (1 - beta2**t)).sqrt() + hp["eps"])
         elif rule == "orthogonal":
             whole, start = self.gather_rows(update.reshape(p.shape))
-            dtype = torch.bfloat16 if hp["ns_dtype"] == "bf16" else torch.float32
+            dtype = newton_schulz_dtype(hp["ns_dtype"], p.device)
             ortho = _newton_schulz(whole, dtype=dtype).float() * math.sqrt(max(whole.shape))
             p -= hp["lr"] * ortho[start : start + p.shape[0]].to(p.dtype)
         else:

@@ -19,6 +19,7 @@ from ..dtensor_utils import local_tensor
 from ..schemes.base import StepContext
 from ..state_store import StateView
 from ..topology import ReplicaTopology
+from ..updates.orthogonal import newton_schulz_dtype
 from .replay import LoggedStep, map_tensors
 
 
@@ -191,6 +192,10 @@ class ReplicaState:
         # ready skip the rounds of synchronize(), which the others would wait in.
         local_only = ("ft_timeout", "quorum_timeout", "replay_steps")
         settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in local_only}
+        if settings.get("update") == "orthogonal" and settings["ns_dtype"] == "auto":  # by device: may differ
+            dtype = newton_schulz_dtype("auto", local_tensor(self._ordered_params()[0]).device)
+            taken = "bf16" if dtype == torch.bfloat16 else "float32"
+            settings["ns_dtype"] = f"auto, {taken} on this node's devices (set ns_dtype='{taken}' on every node)"
         return {
             "settings": settings,
             "parameter_shapes": [tuple(p.shape) for p in self._ordered_params()],

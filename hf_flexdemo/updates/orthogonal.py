@@ -14,8 +14,13 @@ Trainer integration puts them in groups of their own with that rule (a plain-PyT
 passes ``elementwise=`` or such a group).
 
 Newton-Schulz runs on a whole bucket at once (a batch of same-shape matrices: ``X @ X.mT`` on
-the last two dimensions) in ``ns_dtype``: bf16 by default, as Muon does, after normalising each
-matrix in float32 so that a tiny update keeps its direction.
+the last two dimensions) in ``ns_dtype``, after normalising each matrix in float32 so that a tiny
+update keeps its direction. ``ns_dtype='auto'`` (the default) iterates in bf16, as Muon does, where
+the device multiplies bf16 fast, and in float32 elsewhere: on a CPU with AVX2 only, torch multiplies
+bf16 matrices one at a time and about 16x slower than float32. The replicas of a matrix must
+iterate alike, so the replicas take bf16 only if all their devices would (one all-reduce over the
+replicate group, when the optimizer first builds its buckets; under torchft the nodes compare the
+dtype they took when they meet, and a node that differs is refused).
 
 Under FSDP2 each process holds a row shard of each matrix. Each matrix has one owner among the
 node's processes (a bucket's matrices are dealt out in runs, so the owners share the work evenly):
@@ -30,6 +35,7 @@ update, so replicas stay bitwise identical.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections import defaultdict
 
@@ -43,6 +49,8 @@ from ..schemes.base import StepContext
 from .adam import AdamRule
 from .base import Decoded, UpdateRule
 from .sign import SignRule
+
+logger = logging.getLogger(__name__)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic of Muon's Newton-Schulz iteration: fast growth of small singular values."""
@@ -73,6 +81,47 @@ def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtyp
     return x if wide else x.mT
 
 
+def multiplies_bf16_fast(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bf16 matrices at least about as fast as float32 ones.
+
+    CUDA: compute capability 8.0 or newer (bf16 tensor cores). CPU: whether torch sends bf16 matrix
+    products to oneDNN (AVX-512 or AMX); without it ``bmm`` loops over the batch in a slow kernel.
+    """
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type == "cpu":
+        probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)  # private: tests/test_library_symbols
+        return bool(probe is not None and probe())
+    return False
+
+
+def newton_schulz_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """The dtype ``ns_dtype=setting`` iterates in on ``device`` (this process's view; see the module doc)."""
+    if setting == "auto":
+        return torch.bfloat16 if multiplies_bf16_fast(device) else torch.float32
+    return NS_DTYPES[setting]
+
+
+def agreed_newton_schulz_dtype(
+    setting: str, device: torch.device, group: dist.ProcessGroup | None = None
+) -> torch.dtype:
+    """:func:`newton_schulz_dtype`, the same on every process of ``group`` (the replicate group: the processes
+    that compute the same matrices): bf16 only if every one of them takes it. ``group=None``: this process's."""
+    dtype = newton_schulz_dtype(setting, device)
+    if setting != "auto":
+        return dtype
+    if group is not None:
+        flag = torch.tensor([int(dtype == torch.bfloat16)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        dtype = torch.bfloat16 if flag.item() else torch.float32
+    logger.info(
+        "FlexDeMo: Newton-Schulz iterates in %s (ns_dtype='auto' on %s; ns_dtype='bf16' or 'float32' chooses).",
+        "bf16" if dtype == torch.bfloat16 else "float32",
+        device.type,
+    )
+    return dtype
+
+
 def _row_shards(param: torch.Tensor) -> tuple[dist.ProcessGroup, int, int] | None:
     """(group, size, rank) of the processes that hold ``param``'s rows; None if this process holds all."""
     if not isinstance(param, DTensor) or param.device_mesh.size() == 1:
@@ -94,7 +143,8 @@ class OrthogonalRule(UpdateRule):
         super().__init__(config)
         self.elementwise = (AdamRule if config.elementwise_update == "adam" else SignRule)(config)
         self.state_keys = self.elementwise.state_keys
-        self.dtype = NS_DTYPES[config.ns_dtype]
+        self.dtype: torch.dtype | None = None
+        """Newton-Schulz's dtype, settled at the first step (``ns_dtype='auto'`` depends on the devices)."""
 
     def init_state(self, bucket: Bucket) -> None:
         if len(bucket.full_shape) != 2:
@@ -108,7 +158,13 @@ class OrthogonalRule(UpdateRule):
     def is_matrix(item: Decoded) -> bool:
         return len(item.bucket.full_shape) == 2 and item.where is None
 
+    def settle_dtype(self, device: torch.device, group: dist.ProcessGroup | None) -> None:
+        """Decide Newton-Schulz's dtype once, before the first step's exchange (see the module doc)."""
+        if self.dtype is None:
+            self.dtype = agreed_newton_schulz_dtype(self.config.ns_dtype, device, group)
+
     def apply(self, decoded: list[Decoded], ctx: StepContext) -> None:
+        assert self.dtype is not None, "settle_dtype() runs when the optimizer builds its buckets"
         matrices = [item for item in decoded if self.is_matrix(item)]
         self.elementwise.apply([item for item in decoded if not self.is_matrix(item)], ctx)
         by_group: dict[object, list[Decoded]] = defaultdict(list)

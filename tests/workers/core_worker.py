@@ -107,6 +107,7 @@ def check_schemes(mesh, coords, spy) -> dict:
             "total_sent": total.bytes_sent,
             "total_dense": total.dense_bytes,
             "dense_expected": sum(p.to_local().numel() * 4 for p in model.parameters()) * 20,
+            "ns_dtype_agreed": opt.config.update == "orthogonal" and opt.config.ns_dtype == "auto",
         }
     return out
 
@@ -333,6 +334,29 @@ def check_start_sync(mesh) -> dict:
     return {"differed_before": len(set(before)) > 1, "equal_after": len(set(after)) == 1}
 
 
+def check_ns_dtype_agreement(mesh, coords) -> dict:
+    """ns_dtype='auto' with node 1's devices slow at bf16: every process of the job iterates in float32."""
+    from hf_flexdemo.updates import orthogonal
+
+    probe = orthogonal.multiplies_bf16_fast
+    out = {}
+    try:
+        group, cpu = mesh["replicate"].get_group(), torch.device("cpu")
+        orthogonal.multiplies_bf16_fast = lambda device: True
+        out["all_fast"] = str(orthogonal.agreed_newton_schulz_dtype("auto", cpu, group))
+        orthogonal.multiplies_bf16_fast = lambda device: coords[0] == 0
+        out["node1_slow"] = str(orthogonal.agreed_newton_schulz_dtype("auto", cpu, group))
+        out["node1_slow_forced"] = str(orthogonal.agreed_newton_schulz_dtype("bf16", cpu, group))
+        model = build(mesh)
+        opt = FlexDeMo(model.parameters(), mesh=mesh, update="orthogonal", elementwise=[], **SMALL)
+        train(model, opt, coords, 3)
+        out["rule_dtype"] = str(opt.rules["orthogonal"].dtype)
+        out["replicas_equal"] = len(set(replica_fingerprints(list(model.parameters()), opt.topology))) == 1
+    finally:
+        orthogonal.multiplies_bf16_fast = probe
+    return out
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     dist.init_process_group("gloo")
@@ -350,6 +374,7 @@ def main() -> None:
         "drift": check_drift_detection(mesh, coords),
         "errors": check_errors(mesh),
         "start_sync": check_start_sync(mesh),
+        "ns_dtype": check_ns_dtype_agreement(mesh, coords),
     }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
