@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 LOWEST_STAMP := $(LOWEST_VENV)/.installed
 
-.PHONY: demo test test-unit test-lowest venv
+.PHONY: demo test test-unit test-lowest venv docs
 
 venv: $(STAMP)
 
@@ -40,3 +40,7 @@ test-unit: $(STAMP)
 
 test-lowest: $(LOWEST_STAMP)
 	$(LOWEST_VENV)/bin/python -m pytest -q -m lowest
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or a page left out of the nav.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site

@@ -93,13 +93,13 @@ def test_no_rank_warns_about_slicing_a_flattened_mesh_dimension_under_hsdp(tmp_p
     assert "Slicing a flattened dim" not in output
 
 
-def test_a_launch_naming_a_machine_that_never_comes_ends_with_the_readmes_timeout_flag(tmp_path):
+def test_a_launch_naming_a_machine_that_never_comes_ends_with_the_documented_timeout_flag(tmp_path):
     # The launcher's rendezvous waits for the second machine before any of our code runs: no refusal is
-    # possible, so the README names the flag that ends the wait instead of promising one.
+    # possible, so docs/refusals.md names the flag that ends the wait instead of promising one.
     flags = "--num_machines 2 --num_processes 3 --main_process_ip 127.0.0.1 --rdzv_conf timeout=5".split()
     returncode, output = launch(tmp_path, launcher_args=flags)
     assert returncode != 0 and "1/2 clients joined" in output, output[-3000:]
-    assert "--rdzv_conf timeout=60" in (REPO_ROOT / "README.md").read_text()
+    assert "--rdzv_conf timeout=60" in (REPO_ROOT / "docs" / "refusals.md").read_text()
 
 
 @pytest.mark.parametrize("use_cpu", ["use_cpu: true\n", ""])

@@ -1,4 +1,4 @@
-"""The README's "newest tested" versions are not older than the ones the tests run on."""
+"""The "newest tested" versions of docs/getting-started.md are not older than the ones the tests run on."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import re
 import pytest
 from support.launch import REPO_ROOT
 
+PAGE = REPO_ROOT / "docs" / "getting-started.md"
+
 pytestmark = pytest.mark.unit
 
 
@@ -16,11 +18,11 @@ def release(text: str) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("package", ["transformers", "accelerate"])
-def test_the_installed_version_is_not_newer_than_the_readmes_newest_tested(package):
-    row = re.search(rf"^\| {package} \| .* \| ([\d.]+) \|$", (REPO_ROOT / "README.md").read_text(), re.MULTILINE)
-    assert row, f"README.md has no row for {package} in 'Supported versions'"
+def test_the_installed_version_is_not_newer_than_the_newest_tested(package):
+    row = re.search(rf"^\| {package} \| .* \| ([\d.]+) \|$", PAGE.read_text(), re.MULTILINE)
+    assert row, f"{PAGE.name} has no row for {package} in 'Supported versions'"
     installed = importlib.metadata.version(package)
     assert release(installed) <= release(row.group(1)), (
-        f"the tests run on {package} {installed}, but README.md says the newest tested is {row.group(1)}: "
+        f"the tests run on {package} {installed}, but {PAGE.name} says the newest tested is {row.group(1)}: "
         "update the 'Supported versions' table"
     )
