@@ -1,4 +1,8 @@
-"""Imports inside hf_flexdemo point one way: no module imports, directly or through others, one that imports it."""
+"""Imports inside hf_flexdemo point one way: no module imports, directly or through others, one that imports it.
+
+Every import counts: at module level, inside functions (imported later, still a dependency) and under
+``if TYPE_CHECKING:`` (never run, but two modules whose annotations name each other are one idea split in two).
+"""
 
 from __future__ import annotations
 
@@ -12,27 +16,17 @@ pytestmark = [pytest.mark.unit, pytest.mark.lowest]
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_flexdemo"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def runtime_nodes(tree: ast.AST):
-    """Every node of ``tree`` except what ``if TYPE_CHECKING:`` holds (never imported at run time)."""
-    for child in ast.iter_child_nodes(tree):
-        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-            yield from (node for stmt in child.orelse for node in [stmt, *runtime_nodes(stmt)])
-            continue
-        yield child
-        yield from runtime_nodes(child)
-
-
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The package's modules that ``path`` imports at run time (function-level imports too)."""
-    here = module_name(path)
+def imports_of(path: Path, modules: set[str], package_dir: Path = PACKAGE) -> set[str]:
+    """The package's modules that ``path`` imports anywhere: module level, functions, ``if TYPE_CHECKING:``."""
+    here = module_name(path, package_dir)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     found = set()
-    for node in runtime_nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -62,10 +56,27 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_module_imports_one_that_imports_it():
-    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
-    graph = {name: imports_of(path, set(paths)) for name, path in paths.items()}
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports."""
+    paths = {module_name(path, package): path for path in package.rglob("*.py")}
+    graph = {name: imports_of(path, set(paths), package) for name, path in paths.items()}
     # A package that re-exports its own modules is not a circle with them: drop module -> its own package.
-    graph = {name: {t for t in targets if not name.startswith(t + ".")} for name, targets in graph.items()}
-    found = circles(graph)
+    return {name: {t for t in targets if not name.startswith(t + ".")} for name, targets in graph.items()}
+
+
+def test_no_module_imports_one_that_imports_it():
+    found = circles(import_graph(PACKAGE))
     assert not found, "import circles:\n" + "\n".join(" -> ".join(circle) for circle in found)
+
+
+def test_a_circle_only_type_annotations_close_is_found(tmp_path):
+    """The circle counters.py and flexdemo.py once made: one imports the other, which names it under TYPE_CHECKING."""
+    package = tmp_path / "pkg"
+    (package / "optim").mkdir(parents=True)
+    (package / "__init__.py").write_text("from .optim.step import Step\n")
+    (package / "optim" / "__init__.py").write_text("")
+    (package / "optim" / "step.py").write_text("from .counters import Counters\n\n\nclass Step(Counters): ...\n")
+    (package / "optim" / "counters.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .step import Step\n"
+    )
+    assert circles(import_graph(package)) == [["pkg.optim.step", "pkg.optim.counters", "pkg.optim.step"]]

@@ -15,7 +15,7 @@ from ..schemes import Collective
 from ..wire import CommStats, all_gather_bytes, nbytes, ring_all_reduce_bytes
 
 if TYPE_CHECKING:
-    from .flexdemo import _InFlight
+    from .in_flight import InFlight
 
 COUNTERS = "comm_bytes"
 """Per-rank int64 pair kept in each parameter's state: bytes this process put on the inter-node
@@ -25,7 +25,7 @@ link, and what a dense ring all-reduce of its gradients would have put there."""
 class ByteCounters:
     """FlexDeMo's counters (a mixin: it reads the optimizer's scheme, state and groups)."""
 
-    def _count(self, job: _InFlight, stats: CommStats) -> None:
+    def _count(self, job: InFlight, stats: CommStats) -> None:
         """Add the step's bytes on the host, per bucket; they reach the state tensors at the next read or save.
 
         Counted per step with that step's number of replicas (a quorum's size can change).

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,38 +45,13 @@ from ..updates import (
     check_saved_rules,
     with_elementwise_groups,
 )
-from ..wire import (
-    CommStats,
-    Exchange,
-    all_gather_packed,
-    all_reduce_mean_packed,
-    nbytes,
-)
+from ..wire import CommStats, nbytes
 from .counters import COUNTERS, ByteCounters
+from .in_flight import InFlight, split_received, start_exchange
 from .replay import LoggedStep, ReplayLog
 from .replica_state import ReplicaState, restore
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _InFlight:
-    """One step's exchange: started, not yet applied (at once, or next step with ``overlap``)."""
-
-    buckets: list[Bucket]
-    payloads: list[list[torch.Tensor]]
-    exchange: Exchange
-    ctx: StepContext
-    bounds: list[tuple[int, int]]
-    """Where each bucket's tensors sit in the packed list."""
-    grad_bytes: list[int]
-    """One parameter's gradient size per bucket (the dense baseline); the gradients themselves are released."""
-    undo: list | None = None
-    """Fault tolerance: what the step changed before its exchange, restored if the node does not commit."""
-    decay_on_commit: bool = False
-    """Fault tolerance: weight decay waits for the commit (a catch-up replays the missed steps first)."""
-    training: bool = True
-    """A training step, not a ``synchronize()`` round."""
 
 
 class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
@@ -198,7 +172,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         self._topology: ReplicaTopology | None = None
         self._store: StateStore | None = None
         self.last_step_stats = CommStats()
-        self._pending: _InFlight | None = None  # overlap: the last step's exchange
+        self._pending: InFlight | None = None  # overlap: the last step's exchange
         self._verify_state = True  # check saved state against this layout at the next step (costs host syncs)
         self._uncounted: dict[int, list] = {}  # per bucket: [slots, bytes sent, dense bytes] not yet in the state
         self._buckets: list[Bucket] = []  # built at the first step (see _bucketed)
@@ -404,7 +378,9 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             grad_bytes.append(nbytes(bucket.grad) // bucket.count if bucket.grad is not None else 0)
             bucket.grad = None
         overlap = self.config.overlap and ctx.replicate and not sync_only
-        in_flight = self._start_exchange(stepping, payloads, grad_bytes, ctx, async_op=overlap, topology=topology)
+        in_flight = start_exchange(
+            self.scheme.collective, stepping, payloads, grad_bytes, ctx, async_op=overlap, topology=topology
+        )
         in_flight.undo, in_flight.decay_on_commit, in_flight.training = undo, decay_on_commit, not sync_only
         if overlap:
             self._pending = in_flight
@@ -452,13 +428,13 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             )
         return True
 
-    def _finish(self, job: _InFlight) -> None:
+    def _finish(self, job: InFlight) -> None:
         received, stats = job.exchange.wait()
         if job.undo is not None and not self._managed.commit():
             restore(job.undo)  # the step did not happen, on this node or any other
             self._host_step = None  # the step counts went back: read them again
             return
-        parts = self._split(received, job)
+        parts = split_received(received, job, self.scheme.collective)
         if job.undo is not None:
             self._catch_up()
         if job.decay_on_commit:
@@ -601,40 +577,6 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
                     f"{topo.mesh.size() // topo.size} processes; those processes would train unsynchronized "
                     "copies. Shard the model inside the node with FSDP2 (fully_shard(model, mesh=mesh[...]))."
                 )
-
-    def _start_exchange(
-        self,
-        buckets: list[Bucket],
-        payloads: list[list[torch.Tensor]],
-        grad_bytes: list[int],
-        ctx: StepContext,
-        async_op: bool,
-        topology: ReplicaTopology,
-    ) -> _InFlight:
-        """Start the step's one packed collective."""
-        flat = [t for payload in payloads for t in payload]
-        bounds, start = [], 0
-        for payload in payloads:
-            bounds.append((start, start + len(payload)))
-            start += len(payload)
-        kind = self.scheme.collective
-        if not ctx.replicate or kind is Collective.NONE or not flat:
-            exchange = Exchange.done(None)
-        elif kind is Collective.ALL_GATHER:
-            exchange = all_gather_packed(flat, topology, async_op=async_op)
-        else:
-            exchange = all_reduce_mean_packed(flat, topology, async_op=async_op)
-        return _InFlight(buckets, payloads, exchange, ctx, bounds, grad_bytes)
-
-    def _split(self, received, job: _InFlight) -> list[Any]:
-        """What each bucket's ``apply`` gets: per replica (all-gather), the mean, or its own payload."""
-        if not job.ctx.replicate:
-            return [None] * len(job.payloads)
-        if received is None:  # nothing crossed nodes (scheme none, or no payload at all)
-            return job.payloads
-        if self.scheme.collective is Collective.ALL_GATHER:
-            return [[replica[a:b] for replica in received] for a, b in job.bounds]
-        return [received[a:b] for a, b in job.bounds]
 
     # -- replicas ----------------------------------------------------------------------
 
