@@ -72,7 +72,15 @@ VALUE_BITS = (0, 1, 2, 4, 8)
 def quantize_tiles(
     values: torch.Tensor, bits: int, noise: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(n_tiles, k)`` values as packed ``bits``-bit codes and one float32 scale per tile.
+    """``(n_tiles, k)`` values as packed ``bits``-bit codes and one float32 scale per tile (:func:`quantize_codes`)."""
+    codes, scale = quantize_codes(values, bits, noise)
+    return pack_bits(codes, bits), scale
+
+
+def quantize_codes(
+    values: torch.Tensor, bits: int, noise: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(n_tiles, k)`` values as ``bits``-bit codes (int64, unpacked) and one float32 scale per tile.
 
     ``bits=1``: the sign of each value, and the tile's mean magnitude as the scale, so a
     value reads back as ``sign * mean|v|`` (the tile's energy on the sent coefficients, with
@@ -92,13 +100,18 @@ def quantize_tiles(
         scaled = values / safe.unsqueeze(1)
         rounded = torch.round(scaled) if noise is None else torch.floor(scaled + noise)
         codes = rounded.clamp_(-levels, levels).to(torch.int64) + levels
-    return pack_bits(codes, bits), scale
+    return codes, scale
 
 
 def dequantize_tiles(codes: torch.Tensor, scale: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     """The float32 ``(n_tiles, k)`` values that :func:`quantize_tiles` encoded."""
     n_tiles = scale.numel()
-    raw = unpack_bits(codes, bits, n_tiles * k).view(n_tiles, k)
+    return dequantize_codes(unpack_bits(codes, bits, n_tiles * k).view(n_tiles, k), scale, bits)
+
+
+def dequantize_codes(raw: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """The float32 ``(n_tiles, k)`` values of unpacked codes (:func:`quantize_codes`)."""
+    n_tiles = scale.numel()
     levels = 1 if bits == 1 else 2 ** (bits - 1) - 1
     steps = raw * 2 - 1 if bits == 1 else raw - levels
     return steps.float() * scale.float().view(n_tiles, 1)
@@ -225,12 +238,18 @@ def flat_positions(indices: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
 
 
 def select_topk(coefficients: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``plan.k`` largest-magnitude coefficients of every tile: ``(tile-local int64 indices, values)``."""
+    """The ``plan.k`` largest-magnitude coefficients of every tile: ``(tile-local int64 indices, values)``.
+
+    Indices ascend within a tile (the fused kernel's order, :mod:`hf_flexdemo.kernels.demo_encode`, so
+    both paths put the same value in the same wire slot and draw the same rounding noise for it). Among
+    exactly equal magnitudes at the k-th place, ``torch.topk`` picks in its own unspecified order where the
+    kernel takes the lowest indices: measure zero for nonzero values.
+    """
     magnitudes = torch.empty(plan.n_tiles, plan.tile_size, dtype=coefficients.dtype, device=coefficients.device)
     grid_r, grid_c, a, b = plan._grid()
     # One pass: regroup into tiles and take magnitudes together.
     torch.abs(_tile_view(coefficients, plan), out=magnitudes.view(grid_r, grid_c, a, b))
-    _, indices = magnitudes.topk(plan.k, dim=1, sorted=False)
+    indices = magnitudes.topk(plan.k, dim=1, sorted=False)[1].sort(dim=1).values
     values = coefficients.reshape(-1)[flat_positions(indices, plan)].view(indices.shape)
     return indices, values
 

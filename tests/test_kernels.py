@@ -1,0 +1,148 @@
+"""Fused kernels (hf_flexdemo.kernels) against the torch functions they must equal, on CPU under Triton's interpreter.
+
+Tolerances, and why: both paths compute in float32 and differ only in summation order (the DCT's products, the
+decode's low-rank product against a dense inverse DCT, a 1-bit scale's mean). Coefficients and momenta therefore
+agree to ``rtol=1e-5`` with ``atol=1e-6 * max|Q|`` (a sum of at most 64 x 64 products, each rounded at 2**-24
+relative, lands well inside); selections are identical on tie-free data; codes are identical (a value would have
+to sit within float32 rounding of a rounding boundary to differ). A parameter moved by the sign rule is bitwise
+equal, except where the decoded update is zero in exact arithmetic, where its sign is rounding noise in both paths
+(checked: only where ``|U| <= 1e-5 * max|U|``). ``lr`` is a power of two, so torch's CPU add, which rounds ``lr``
+to bf16 for bf16 parameters, agrees with the kernel's float32 arithmetic.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: kernels then run on CPU tensors
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hf_flexdemo.compression import ChunkPlan, flat_positions, select_topk  # noqa: E402
+from hf_flexdemo.kernels.demo_encode_torch import demo_encode_torch  # noqa: E402
+
+pytestmark = pytest.mark.unit
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)"
+)
+
+# (one parameter's shape, parameters in the bucket, chunk, topk): tile sides 64 x 48, 7 x 7, 1 x 4 (a prime
+# dimension above chunk), 1-D (one row of 40), and a tile of 5 x 13 nearly sent whole.
+CASES = {
+    "64x48": ((64, 48), 1, 64, 32),
+    "7x7": ((7, 14), 3, 7, 5),
+    "side1": ((11, 4), 1, 8, 3),
+    "1d": ((40,), 3, 64, 6),
+    "5x13": ((5, 13), 3, 64, 60),
+}
+FORMATS = {  # value_bits, wire dtype, stochastic rounding
+    "fp32": (0, torch.float32, False),
+    "bf16": (0, torch.bfloat16, False),
+    "fp16": (0, torch.float16, False),
+    "1bit": (1, torch.float32, False),
+    "2bit": (2, torch.float32, False),
+    "4bit": (4, torch.float32, False),
+    "8bit": (8, torch.float32, False),
+    "2bit_stochastic": (2, torch.float32, True),
+    "8bit_stochastic": (8, torch.float32, True),
+}
+
+
+def bucket_plan(case: str) -> tuple[ChunkPlan, tuple[int, ...]]:
+    shape, count, chunk, topk = CASES[case]
+    return ChunkPlan.for_shape(shape, chunk, topk).stacked(count), (count, *shape)
+
+
+def encode_both(case: str, fmt: str, grad_dtype=torch.float32, seed: int = 0):
+    """The torch function and the kernel on the same inputs: ``(torch result, kernel result, q torch, q kernel)``."""
+    from hf_flexdemo.kernels.demo_encode import demo_encode
+
+    plan, shape = bucket_plan(case)
+    bits, wire, stochastic = FORMATS[fmt]
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(shape, generator=g).to(grad_dtype)
+    q = torch.randn(plan.rows, plan.cols, generator=g)
+    noise = torch.rand(plan.n_tiles, plan.k, generator=g) if stochastic else None
+    q_torch, q_kernel = q.clone(), q.clone()
+    settings = dict(decay=0.9, lr=0.5, select=True, bits=bits, wire_dtype=wire, noise=noise)
+    expected = demo_encode_torch(grad, q_torch, plan, **settings)
+    got = demo_encode(grad, q_kernel, plan, **settings)
+    return plan, expected, got, q_torch, q_kernel
+
+
+def assert_close_f32(got: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor | float) -> None:
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-5, atol=1e-6 * float(scale))
+
+
+def assert_encode_agrees(plan, expected, got, q_torch, q_kernel) -> None:
+    scale = max(q_torch.abs().max(), expected.values.abs().max())  # the momentum's size before error feedback
+    assert torch.equal(got.indices.long(), expected.indices), "the kernel selected other coefficients"
+    assert_close_f32(got.values, expected.values, scale)
+    assert_close_f32(q_kernel, q_torch, scale)
+    if expected.codes is not None:
+        assert torch.equal(got.codes.long(), expected.codes)
+        torch.testing.assert_close(got.scale, expected.scale, rtol=1e-5, atol=0)
+    else:
+        assert got.codes is None and got.scale is None
+
+
+# -- the torch path's order (no Triton needed) ------------------------------------------------------------------
+
+
+def test_select_topk_gives_indices_ascending_within_each_tile():
+    plan, _ = bucket_plan("7x7")
+    coefficients = torch.randn(plan.rows, plan.cols, generator=torch.Generator().manual_seed(3))
+    indices, values = select_topk(coefficients, plan)
+    assert torch.equal(indices, indices.sort(dim=1).values)
+    assert torch.equal(values.reshape(-1), coefficients.reshape(-1)[flat_positions(indices, plan)])
+
+
+# -- encode ------------------------------------------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES)
+def test_encode_kernel_equals_torch_on_every_tile_shape(case):
+    grad_dtype = torch.bfloat16 if case in ("7x7", "1d") else torch.float32
+    plan, expected, got, q_torch, q_kernel = encode_both(case, "fp32", grad_dtype)
+    assert_encode_agrees(plan, expected, got, q_torch, q_kernel)
+    # Error feedback with float32 on the wire leaves nothing of what was sent.
+    assert not q_kernel.reshape(-1)[flat_positions(got.indices, plan)].any()
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_encode_kernel_equals_torch_in_every_wire_format(fmt):
+    assert_encode_agrees(*encode_both("5x13" if fmt in ("1bit", "fp16") else "1d", fmt, seed=1))
+
+
+@needs_triton
+def test_encode_kernel_only_accumulates_between_replications():
+    from hf_flexdemo.kernels.demo_encode import demo_encode
+
+    plan, shape = bucket_plan("7x7")
+    grad, q = torch.randn(shape), torch.randn(plan.rows, plan.cols)
+    q_torch, q_kernel = q.clone(), q.clone()
+    settings = dict(decay=0.9, lr=0.5, select=False, bits=0, wire_dtype=torch.float32)
+    assert demo_encode_torch(grad, q_torch, plan, **settings) is None
+    assert demo_encode(grad, q_kernel, plan, **settings) is None
+    assert_close_f32(q_kernel, q_torch, q_torch.abs().max())
+
+
+@needs_triton
+def test_encode_kernel_breaks_exact_ties_by_the_lowest_index():
+    """Exact ties at the k-th magnitude: the kernel takes the lowest indices; torch.topk takes equal values."""
+    from hf_flexdemo.kernels.demo_encode import demo_encode
+
+    plan = ChunkPlan.for_shape((4, 4), 4, 4)
+    q = torch.tensor([[1.0, 3.0, -2.0, 0.5], [2.0, -0.5, 2.0, -2.0], [0.0, 1.0, 0.25, 2.0], [-3.0, 1.0, 0.0, 0.1]])
+    grad = torch.zeros(4, 4)
+    settings = dict(decay=1.0, lr=0.0, select=True, bits=0, wire_dtype=torch.float32)  # Q stays as it is
+    got = demo_encode(grad, q.clone(), plan, **settings)
+    # |Q| = 3 at 1 and 12, then the 2s at 2, 4, 6, 7, 11: the two of lowest index complete k = 4.
+    assert got.indices.tolist() == [[1, 2, 4, 12]]
+    assert got.values.tolist() == [[3.0, -2.0, 2.0, -3.0]]
+    expected = demo_encode_torch(grad, q.clone(), plan, **settings)
+    assert sorted(expected.values.abs().reshape(-1).tolist()) == [2.0, 2.0, 3.0, 3.0]
