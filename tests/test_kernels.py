@@ -20,13 +20,17 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: kernels 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from hf_flexdemo.compression import ChunkPlan, flat_positions, select_topk  # noqa: E402
+from hf_flexdemo import FlexDeMoConfig  # noqa: E402
+from hf_flexdemo.compression import ChunkPlan, decode_replicas, flat_positions, from_coefficients, select_topk  # noqa
 from hf_flexdemo.kernels.demo_encode_torch import demo_encode_torch  # noqa: E402
+from hf_flexdemo.kernels.sign_decode_torch import sign_decode_torch  # noqa: E402
+from hf_flexdemo.schemes.sparse_wire import TopKWire  # noqa: E402
 
 pytestmark = pytest.mark.unit
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)"
 )
+LR = 2**-7  # exact in bf16 (see the module docstring)
 
 # (one parameter's shape, parameters in the bucket, chunk, topk): tile sides 64 x 48, 7 x 7, 1 x 4 (a prime
 # dimension above chunk), 1-D (one row of 40), and a tile of 5 x 13 nearly sent whole.
@@ -146,3 +150,88 @@ def test_encode_kernel_breaks_exact_ties_by_the_lowest_index():
     assert got.values.tolist() == [[3.0, -2.0, 2.0, -3.0]]
     expected = demo_encode_torch(grad, q.clone(), plan, **settings)
     assert sorted(expected.values.abs().reshape(-1).tolist()) == [2.0, 2.0, 3.0, 3.0]
+
+
+# -- decode and apply (sign rule) --------------------------------------------------------------------------------
+
+
+def replica_parts(plan: ChunkPlan, replicas: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each replica's top-k of a shared signal plus its own: the replicas' positions overlap in part."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(plan.rows, plan.cols, generator=g)
+    return [select_topk(shared + 0.7 * torch.randn(plan.rows, plan.cols, generator=g), plan) for _ in range(replicas)]
+
+
+def decode_both(plan, shape, parts, *, mode, sign, dtype):
+    from hf_flexdemo.kernels.sign_decode import sign_decode
+
+    start = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    expected, got = list(start.clone().unbind(0)), list(start.clone().unbind(0))
+    sign_decode_torch(expected, parts, plan, mode=mode, lr=LR, sign=sign)
+    sign_decode(got, parts, plan, mode=mode, lr=LR, sign=sign)
+    update = from_coefficients(decode_replicas(parts, plan, mode, torch.float32), plan).reshape(shape)
+    return start, torch.stack(expected), torch.stack(got), update
+
+
+def assert_sign_steps_agree(start, expected, got, update) -> None:
+    """Bitwise equal but where the decoded update is zero to float32 rounding (there, its sign is noise)."""
+    differ = expected != got
+    undecided = update.abs() <= 1e-5 * update.abs().max()
+    assert not (differ & ~undecided).any(), f"{int((differ & ~undecided).sum())} entries moved differently"
+    size = torch.maximum(start.float().abs(), expected.float().abs())
+    rounding = size * (2**-8 if start.dtype == torch.bfloat16 else 2**-23)  # p - lr rounded to p's dtype
+    assert ((expected.float() - start.float()).abs() <= LR + rounding).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_sign_decode_kernel_equals_torch(case, replicas):
+    plan, shape = bucket_plan(case)
+    parts = replica_parts(plan, replicas, seed=replicas)
+    mode = "mean" if case == "side1" else "selected"
+    dtype = torch.bfloat16 if replicas == 2 else torch.float32
+    assert_sign_steps_agree(*decode_both(plan, shape, parts, mode=mode, sign=True, dtype=dtype))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["selected", "mean"])
+def test_sign_false_decode_kernel_applies_the_update_itself(dtype, mode):
+    plan, shape = bucket_plan("7x7")
+    start, expected, got, update = decode_both(plan, shape, replica_parts(plan, 3), mode=mode, sign=False, dtype=dtype)
+    ulp = 2**-7 if dtype == torch.bfloat16 else 1e-6  # one unit of the parameter's last place, relative
+    torch.testing.assert_close(got.float(), expected.float(), rtol=ulp, atol=1e-7)
+    assert not torch.equal(got, start)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(value_bits=0, pack_indices=True),
+        dict(value_bits=1, pack_indices=True),
+        dict(value_bits=2, rounding="stochastic"),
+        dict(value_bits=4, pack_indices=True),
+        dict(value_bits=8),
+    ],
+    ids=str,
+)
+def test_wire_round_trip_encoded_by_the_kernel_decodes_alike(settings):
+    """Two replicas encode with the kernel, their parts cross the wire (packed, quantized) and are read back:
+    the fused decode equals the torch one on what arrives."""
+    from hf_flexdemo.kernels.demo_encode import demo_encode
+
+    wire = TopKWire(FlexDeMoConfig(update="sign", **settings))
+    plan, shape = bucket_plan("5x13")
+    received = []
+    for replica in range(2):
+        g = torch.Generator().manual_seed(replica)
+        q = torch.randn(plan.rows, plan.cols, generator=g)
+        noise = wire.noise((plan.n_tiles, plan.k), q.device, g)
+        encoded = demo_encode(
+            torch.randn(shape, generator=g), q, plan, decay=0.9, lr=0.5, select=True,
+            bits=wire.config.value_bits, wire_dtype=torch.bfloat16, noise=noise,
+        )  # fmt: skip
+        received.append(wire.read(wire.pack(*encoded, plan, torch.bfloat16), plan))
+    assert_sign_steps_agree(*decode_both(plan, shape, received, mode="selected", sign=True, dtype=torch.bfloat16))

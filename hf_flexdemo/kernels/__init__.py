@@ -124,3 +124,9 @@ def encoder(kernels: str) -> Callable:
 
     return demo_encode_torch
 
+
+def sign_decoder() -> Callable:
+    """The fused decode-and-apply of the sign rule (:func:`.sign_decode.sign_decode`)."""
+    from .sign_decode import sign_decode
+
+    return sign_decode

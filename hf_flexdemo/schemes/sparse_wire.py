@@ -12,10 +12,11 @@ import torch
 
 from ..compression import (
     ChunkPlan,
+    dequantize_codes,
     dequantize_tiles,
     index_bits_for,
     pack_bits,
-    quantize_tiles,
+    quantize_codes,
     unpack_bits,
 )
 from ..config import FlexDeMoConfig
@@ -33,18 +34,33 @@ class TopKWire:
         """What travels, and the values every receiver will read back."""
         bits = self.config.value_bits
         if bits:
-            noise = None
-            if self.config.rounding == "stochastic":
-                noise = torch.rand(values.shape, generator=generator, dtype=torch.float32).to(values.device)
-            codes, scale = quantize_tiles(values, bits, noise=noise)
-            sent = [codes, scale]
-            decoded = dequantize_tiles(codes, scale, bits, plan.k)
-        else:
-            sent = [values.to(value_dtype)]
-            decoded = sent[0]
+            codes, scale = quantize_codes(values, bits, noise=self.noise(values.shape, values.device, generator))
+            return self.pack(indices, None, codes, scale, plan, value_dtype), dequantize_codes(codes, scale, bits)
+        sent = self.pack(indices, values, None, None, plan, value_dtype)
+        return sent, sent[1]
+
+    def noise(self, shape: tuple[int, ...], device: torch.device, generator=None) -> torch.Tensor | None:
+        """Stochastic rounding's draws for ``(n_tiles, k)`` values, uniform in [0, 1); None when rounding to nearest."""
+        if self.config.value_bits and self.config.rounding == "stochastic":
+            return torch.rand(shape, generator=generator, dtype=torch.float32).to(device)
+        return None
+
+    def pack(
+        self,
+        indices: torch.Tensor,
+        values: torch.Tensor | None,
+        codes: torch.Tensor | None,
+        scale: torch.Tensor | None,
+        plan: ChunkPlan,
+        value_dtype: torch.dtype,
+    ) -> list[torch.Tensor]:
+        """What travels for a selection: indices, then ``values`` in ``value_dtype`` or (``value_bits`` > 0) the
+        unpacked ``codes`` packed and their ``scale``."""
+        bits = self.config.value_bits
+        sent = [pack_bits(codes, bits), scale] if bits else [values.to(value_dtype)]
         if self.config.pack_indices:
-            return [pack_bits(indices, index_bits_for(plan.tile_size)), *sent], decoded
-        return [indices.to(plan.index_dtype), *sent], decoded
+            return [pack_bits(indices, index_bits_for(plan.tile_size)), *sent]
+        return [indices.to(plan.index_dtype), *sent]
 
     def read(self, part: list[torch.Tensor], plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """One replica's ``(indices, values)`` back from what it sent."""

@@ -1,0 +1,188 @@
+"""The sign rule's decode-and-apply as one Triton program per tile: it must equal
+:func:`.sign_decode_torch.sign_decode_torch`.
+
+The inverse DCT of a sparse tile is a low-rank product. With the ``K = replicas * k`` sent entries of a tile at
+rows ``r_e``, columns ``c_e`` (``index = r * tile_cols + c``), values ``v_e``, and ``n_e`` the replicas that sent
+position ``(r_e, c_e)`` (``decode='selected'``; ``decode='mean'``: ``n_e = replicas``)::
+
+    U  = L^T[:, r] @ diag(v / n) @ R[c, :]      (tile_rows x K) @ (K x tile_cols), K in blocks of at most 64
+    p  = p - lr * sign(U)                        sign=False: lr * U rounded to the parameter's dtype, as torch
+
+so no dense coefficient matrix is built, and the parameter is read and written once, in place (each parameter
+of the bucket through a table of their addresses, so they need not be one tensor). ``n_e`` comes from comparing
+every sent position with every other in the tile. A position several replicas sent appears once per replica in
+the product, each with its share ``v / n``: the same sum as the torch path's, in another order (float32
+rounding). Fixed order, no atomics: every replica computes bitwise the same.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ..compression import ChunkPlan
+from . import padded_dct
+from ._triton_common import dtype_code, round_to_dtype
+
+BLOCK = 64
+"""Most sent entries one product takes at a time (bounds a program's registers whatever ``k`` and replicas)."""
+
+
+@triton.jit
+def _sign_decode_kernel(
+    table_ptr,
+    index_ptr,
+    value_ptr,
+    left_ptr,
+    right_ptr,
+    n_tiles,
+    cols,
+    grid_cols,
+    tiles_per_param,
+    neg_lr,
+    REPLICAS: tl.constexpr,
+    K: tl.constexpr,
+    KB: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr,
+    A: tl.constexpr,
+    B: tl.constexpr,
+    SELECTED: tl.constexpr,
+    SIGN: tl.constexpr,
+    PARAM: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    rows_a = tl.arange(0, A)
+    cols_b = tl.arange(0, B)
+    block = tl.arange(0, KB)
+    update = tl.zeros((A, B), dtype=tl.float32)
+    for replica in range(REPLICAS):
+        for start in range(0, K, KB):
+            entry = start + block
+            valid = entry < K
+            index = tl.load(index_ptr + (replica * n_tiles + tile).to(tl.int64) * K + entry, mask=valid, other=-1)
+            value = tl.load(value_ptr + (replica * n_tiles + tile).to(tl.int64) * K + entry, mask=valid, other=0.0)
+            value = value.to(tl.float32)
+            if SELECTED:
+                senders = tl.zeros((KB,), dtype=tl.int32)
+                for other in range(REPLICAS):
+                    for start2 in range(0, K, KB):
+                        entry2 = start2 + block
+                        where2 = (other * n_tiles + tile).to(tl.int64) * K + entry2
+                        index2 = tl.load(index_ptr + where2, mask=entry2 < K, other=-2)
+                        senders += tl.sum((index[:, None] == index2[None, :]).to(tl.int32), axis=1)
+                share = tl.div_rn(value, tl.maximum(senders, 1).to(tl.float32))
+            else:
+                share = tl.div_rn(value, tl.full((KB,), REPLICAS, tl.float32))
+            row = tl.where(valid, index // TILE_COLS, 0)
+            col = tl.where(valid, index % TILE_COLS, 0)
+            left_t = tl.load(left_ptr + row[None, :] * A + rows_a[:, None])  # L^T[m, e] = L[r_e, m]
+            right = tl.load(right_ptr + col[:, None] * B + cols_b[None, :])  # R[c_e, n]
+            update += tl.dot(left_t * share[None, :], right, input_precision="ieee")
+
+    if SIGN:
+        step = tl.where(update > 0, 1.0, tl.where(update < 0, -1.0, 0.0))
+    else:
+        step = round_to_dtype(update, PARAM)
+    local = tile % tiles_per_param
+    base = (local // grid_cols).to(tl.int64) * TILE_ROWS * cols + (local % grid_cols) * TILE_COLS
+    i = rows_a[:, None]
+    j = cols_b[None, :]
+    inside = (i < TILE_ROWS) & (j < TILE_COLS)
+    address = tl.load(table_ptr + tile // tiles_per_param)
+    if PARAM == 1:
+        where = address.to(tl.pointer_type(tl.bfloat16)) + base + i * cols + j
+    elif PARAM == 2:
+        where = address.to(tl.pointer_type(tl.float16)) + base + i * cols + j
+    else:
+        where = address.to(tl.pointer_type(tl.float32)) + base + i * cols + j
+    moved = tl.load(where, mask=inside, other=0.0).to(tl.float32) + neg_lr * step
+    tl.store(where, round_to_dtype(moved, PARAM).to(where.dtype.element_ty), mask=inside)
+
+
+@functools.lru_cache(maxsize=1024)
+def _address_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The parameters' addresses on their device (kept: a bucket's parameters keep their storage between steps)."""
+    return torch.tensor(addresses, dtype=torch.int64, device=device)
+
+
+@torch.library.custom_op("hf_flexdemo::sign_decode", mutates_args=("params",))
+def sign_decode_op(
+    params: list[torch.Tensor],
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    cols: int,
+    tile_rows: int,
+    tile_cols: int,
+    selected: bool,
+    lr: float,
+    sign: bool,
+) -> None:
+    """The kernel as one torch operation: ``indices`` and ``values`` are ``(replicas, n_tiles, k)``, ``params`` the
+    bucket's contiguous parameters (each ``rows x cols`` of the plan, stacked by rows)."""
+    replicas, n_tiles, k = indices.shape
+    table = _address_table(tuple(p.data_ptr() for p in params), params[0].device)
+    _sign_decode_kernel[(n_tiles,)](
+        table,
+        indices,
+        values,
+        left,
+        right,
+        n_tiles,
+        cols,
+        cols // tile_cols,
+        n_tiles // len(params),
+        -lr,
+        REPLICAS=replicas,
+        K=k,
+        KB=max(16, min(BLOCK, 1 << (k - 1).bit_length())),
+        TILE_ROWS=tile_rows,
+        TILE_COLS=tile_cols,
+        A=left.shape[0],
+        B=right.shape[0],
+        SELECTED=selected and replicas > 1,
+        SIGN=sign,
+        PARAM=dtype_code(params[0].dtype),
+        num_warps=4,
+        enable_fp_fusion=False,  # each product and sum rounded as written, as the torch path's separate operations
+    )
+
+
+@sign_decode_op.register_fake
+def _(params, indices, values, left, right, cols, tile_rows, tile_cols, selected, lr, sign) -> None:
+    return None
+
+
+def sign_decode(
+    params: Sequence[torch.Tensor],
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    plan: ChunkPlan,
+    *,
+    mode: str,
+    lr: float,
+    sign: bool,
+) -> None:
+    """:func:`.sign_decode_torch.sign_decode_torch`, fused (same arguments, the same step to float32 rounding)."""
+    if plan.n_tiles == 0:
+        return
+    indices = torch.stack([index.to(torch.int32) for index, _ in parts])
+    values = torch.stack([value for _, value in parts])
+    sign_decode_op(
+        list(params),
+        indices.view(len(parts), plan.n_tiles, plan.k),
+        values.view(len(parts), plan.n_tiles, plan.k),
+        padded_dct(plan.tile_rows, values.device),
+        padded_dct(plan.tile_cols, values.device),
+        plan.cols,
+        plan.tile_rows,
+        plan.tile_cols,
+        mode == "selected",
+        float(lr),
+        sign,
+    )
