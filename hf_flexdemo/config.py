@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from .compression import DECODE_MODES, VALUE_BITS
+from .kernels import KERNELS
+from .kernels import check_settings as check_kernel_settings
 
 SCHEMES = ("demo", "random", "striding", "diloco", "sparseloco", "full", "none")
 NS_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "float32": torch.float32}
@@ -157,6 +159,18 @@ class FlexDeMoConfig:
             "float64 for float64 parameters)."
         },
     )
+    kernels: str = field(
+        default="torch",
+        metadata={
+            "help": "demo: where the step's passes over the momentum run. 'torch' (default): torch operations. "
+            "'triton': fused Triton kernels, one program per tile: one folds the gradient into the momentum, picks "
+            "the top-k, encodes them for the wire and subtracts what was sent (every update rule and wire format); "
+            "a second decodes every replica's coefficients and applies update='sign' (sign=False too) with no dense "
+            "update between ('orthogonal' and 'adam' take the torch decode). Same results to float32 rounding. "
+            "Needs scheme='demo' without shared_indices, chunk <= 64, 16- or 32-bit parameters, and Triton on a "
+            "CUDA GPU (on the CPU only under TRITON_INTERPRET=1, Triton's slow interpreter: for tests)."
+        },
+    )
     fault_tolerance: str = field(
         default="off",
         metadata={
@@ -235,6 +249,9 @@ class FlexDeMoConfig:
             )
         if self.shared_indices:
             self._check_shared_indices()
+        _check_choice("kernels", self.kernels, KERNELS)
+        if self.kernels != "torch":
+            check_kernel_settings(scheme=self.scheme, shared_indices=self.shared_indices, chunk=self.chunk)
         _check_float("rate", self.rate, low=0.0, high=1.0, low_open=True)
         _check_choice("fault_tolerance", self.fault_tolerance, FAULT_TOLERANCE)
         _check_int("min_replicas", self.min_replicas, low=1)
@@ -331,6 +348,8 @@ class FlexDeMoConfig:
         keys += [key for key in ("overlap", "value_bits", "pack_indices", "shared_indices") if getattr(self, key)]
         if self.rounding != "nearest":
             keys.append("rounding")
+        if self.kernels != "torch":
+            keys.append("kernels")
         return tuple(keys)
 
     @property

@@ -20,7 +20,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: kernels 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from hf_flexdemo import FlexDeMoConfig  # noqa: E402
+from hf_flexdemo import FlexDeMo, FlexDeMoConfig  # noqa: E402
 from hf_flexdemo.compression import ChunkPlan, decode_replicas, flat_positions, from_coefficients, select_topk  # noqa
 from hf_flexdemo.kernels.demo_encode_torch import demo_encode_torch  # noqa: E402
 from hf_flexdemo.kernels.sign_decode_torch import sign_decode_torch  # noqa: E402
@@ -235,3 +235,60 @@ def test_wire_round_trip_encoded_by_the_kernel_decodes_alike(settings):
         )  # fmt: skip
         received.append(wire.read(wire.pack(*encoded, plan, torch.bfloat16), plan))
     assert_sign_steps_agree(*decode_both(plan, shape, received, mode="selected", sign=True, dtype=torch.bfloat16))
+
+
+# -- the setting -------------------------------------------------------------------------------------------------
+
+
+def test_kernels_setting_is_validated():
+    with pytest.raises(ValueError, match=r"kernels='cuda' is invalid; kernels must be one of \('torch', 'triton'\)"):
+        FlexDeMoConfig(kernels="cuda")
+    for settings, named in [
+        (dict(scheme="random"), "scheme='random'"),
+        (dict(shared_indices=True), "shared_indices=True"),
+    ]:
+        with pytest.raises(ValueError, match=f"with {named} it would be ignored; write kernels='torch'"):
+            FlexDeMoConfig(kernels="triton", **settings)
+    with pytest.raises(ValueError, match="chunk=128 cannot be combined with kernels='triton'.*chunk <= 64"):
+        FlexDeMoConfig(kernels="triton", chunk=128)
+
+
+def test_triton_on_the_cpu_without_the_interpreter_is_refused_before_training(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA GPU, and TRITON_INTERPRET=1 .* is not set; write kernels='torch'"):
+        FlexDeMo([torch.nn.Parameter(torch.zeros(4))], kernels="triton")
+    from hf_flexdemo.kernels import check_bucket
+
+    with pytest.raises(ValueError, match="parameters are on the CPU, where Triton runs only under TRITON_INTERPRET"):
+        check_bucket(torch.device("cpu"), torch.float32, 64)
+
+
+def test_triton_not_installed_is_refused(monkeypatch):
+    from hf_flexdemo import kernels
+
+    monkeypatch.setattr(kernels.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"Triton is not installed \(pip install triton.*write kernels='torch'"):
+        FlexDeMoConfig(kernels="triton")
+
+
+@needs_triton
+def test_float64_parameters_are_refused_at_the_first_step():
+    params = [torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.float64))]
+    opt = FlexDeMo(params, kernels="triton", update="sign")
+    params[0].grad = torch.ones_like(params[0])
+    with pytest.raises(ValueError, match="torch.float64 keep a torch.float64 momentum: write kernels='torch'"):
+        opt.step()
+
+
+@needs_triton
+def test_optim_args_kernels_triton_reaches_the_optimizer(tmp_path):
+    from transformers import TrainingArguments
+
+    from hf_flexdemo.integrations.training_args import describe, flexdemo_kwargs
+
+    args = TrainingArguments(str(tmp_path), optim="flexdemo", optim_args="kernels=triton,update=sign", use_cpu=True)
+    kwargs = flexdemo_kwargs(args)
+    assert kwargs["kernels"] == "triton"
+    assert "kernels='triton'" in describe(args)
+    assert FlexDeMo([torch.nn.Parameter(torch.zeros(4))], **kwargs).config.kernels == "triton"

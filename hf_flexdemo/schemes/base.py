@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..buckets import Bucket, ParamSlot
+from ..compression import ChunkPlan, decode_replicas, from_coefficients
 from ..config import FlexDeMoConfig
 from ..state_store import StateView
 
@@ -51,15 +52,43 @@ class StepContext:
 
 
 @dataclass
+class SparseCoefficients:
+    """Every replica's top-k DCT coefficients of one bucket, as received: a decoded update not yet made dense."""
+
+    plan: ChunkPlan
+    parts: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per replica, in replica order: ``(indices, values)``, each ``(n_tiles, k)``."""
+    mode: str
+    """``decode``: ``selected`` or ``mean``."""
+    dtype: torch.dtype
+    """The momentum's dtype, which the dense update takes."""
+
+    def dense(self) -> torch.Tensor:
+        """The decoded update, ``count * numel`` entries: the average's inverse DCT (as ``kernels='torch'``)."""
+        coefficients = decode_replicas(self.parts, self.plan, self.mode, self.dtype)
+        return from_coefficients(coefficients, self.plan, overwrite=True).view(-1)
+
+
+@dataclass
 class Decoded:
     """One bucket's decoded update after an exchange: identical on every replica."""
 
     bucket: Bucket
-    update: torch.Tensor
-    """The decoded momentum part (``lr`` is already in it), ``count * numel`` entries in the bucket's order
-    (the first parameter's, then the next); a temporary the rule may change in place."""
+    dense: torch.Tensor | None = None
+    """The update if made (see :attr:`update`)."""
     where: torch.Tensor | None = None
     """Flat positions in the bucket that ``update`` holds (random, striding); None: all of them."""
+    sparse: SparseCoefficients | None = None
+    """``kernels='triton'`` (demo): the update as received, which the sign rule applies without making it dense."""
+
+    @property
+    def update(self) -> torch.Tensor:
+        """The decoded momentum part (``lr`` is already in it), ``count * numel`` entries in the bucket's order
+        (the first parameter's, then the next); a temporary the rule may change in place. Made from
+        :attr:`sparse` on first use if the scheme left it sparse."""
+        if self.dense is None:
+            self.dense = self.sparse.dense()
+        return self.dense
 
 
 class ReplicationScheme(ABC):

@@ -23,9 +23,10 @@ from __future__ import annotations
 import torch
 
 from ..buckets import Bucket, ParamSlot
-from ..compression import ChunkPlan, decode_replicas, flat_positions, from_coefficients, select_topk, to_coefficients
+from ..compression import ChunkPlan, to_coefficients
 from ..config import FlexDeMoConfig
-from .base import Collective, Decoded, StepContext
+from ..kernels import check_bucket, encoder
+from .base import Collective, Decoded, SparseCoefficients, StepContext
 from .momentum import MomentumScheme
 from .sparse_wire import TopKWire
 
@@ -43,6 +44,8 @@ class DeMoScheme(MomentumScheme):
         self.wire = TopKWire(config)
 
     def init_state(self, bucket: Bucket) -> None:
+        if self.config.kernels == "triton":  # the parameters' device is known now, before anything moves
+            check_bucket(bucket.device, bucket.dtype, bucket.group["chunk"])
         super().init_state(bucket)
         for slot in bucket.slots:
             if TILE_STATE not in slot.state.raw:
@@ -79,18 +82,26 @@ class DeMoScheme(MomentumScheme):
         return q
 
     def local_step(self, bucket: Bucket, ctx: StepContext) -> list[torch.Tensor]:
-        q = self.accumulate(bucket)
         plan = self.plan(bucket)
-        if not ctx.replicate:
+        if ctx.replicate:
+            bucket.carried = plan  # empty shards send nothing, but their (empty) update still reaches the rule
+        if plan.n_tiles == 0:
             return []
-        bucket.carried = plan
-        if plan.n_tiles == 0:  # empty shards send nothing, but their (empty) update still reaches the rule
-            return []
-        indices, values = select_topk(q, plan)
-        sent, decoded = self.wire.encode(indices, values, plan, self.wire_dtype(bucket), ctx.noise)
-        # Subtract what travels (as the receivers will decode it) so the rounding error stays in Q.
-        q.view(-1).index_add_(0, flat_positions(indices, plan), decoded.reshape(-1).to(q.dtype), alpha=-1.0)
-        return sent
+        # Q = decay * Q + lr * DCT(grad); on a replication step also the top-k per tile, encoded for the wire, and
+        # error feedback: what travels (as the receivers will decode it) leaves Q, so the rounding error stays.
+        wire_dtype = self.wire_dtype(bucket)
+        encoded = encoder(self.config.kernels)(
+            bucket.grad,
+            self.momentum(bucket),
+            plan,
+            decay=bucket.group["decay"],
+            lr=bucket.group["lr"],
+            select=ctx.replicate,
+            bits=self.config.value_bits,
+            wire_dtype=wire_dtype,
+            noise=self.wire.noise((plan.n_tiles, plan.k), bucket.device, ctx.noise) if ctx.replicate else None,
+        )
+        return self.wire.pack(*encoded, plan, wire_dtype) if encoded is not None else []
 
     def empty_update(self, bucket: Bucket) -> Decoded:
         """Empty shards' update: the rule still sees it, since orthogonal moves a node's shards to their owners."""
@@ -102,7 +113,8 @@ class DeMoScheme(MomentumScheme):
             return None
         if plan.n_tiles == 0:
             return self.empty_update(bucket)
-        dtype = self.momentum(bucket).dtype
         parts = [self.wire.read(part, plan) for part in received]
-        coefficients = decode_replicas(parts, plan, self.config.decode, dtype)
-        return Decoded(bucket, from_coefficients(coefficients, plan, overwrite=True).view(-1))
+        sparse = SparseCoefficients(plan, parts, self.config.decode, self.momentum(bucket).dtype)
+        if self.config.kernels == "triton":  # the sign rule applies it as it is; the others ask for it dense
+            return Decoded(bucket, sparse=sparse)
+        return Decoded(bucket, sparse.dense())
