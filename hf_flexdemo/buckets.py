@@ -9,7 +9,8 @@ the number of layers (11 at OLMo2-1B's width, where the size cap below splits th
 The optimizer state stays per parameter (checkpoints keep their keys and layout): each
 parameter's entry is a view into the bucket's contiguous buffer for that key. A bucket is
 built at the first step and again after the state was replaced (a load, a heal); building
-copies whatever state the parameters already hold into the new buffers.
+copies whatever state the parameters already hold into the new buffers. :class:`BucketBook` keeps an
+optimizer's buckets from step to step and knows when they must be built again.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any
 
 import torch
 
-from .state_store import StateView
+from .dtensor_utils import local_tensor
+from .state_store import StateStore, StateView
 
 
 @dataclass
@@ -150,6 +152,17 @@ class Bucket:
     def copy_to_params(self, values: torch.Tensor) -> None:
         torch._foreach_copy_(self.params, self.unstacked(values.to(self.dtype)))
 
+    def stacked_grads(self, zero: bool) -> torch.Tensor:
+        """The gradients as one ``(count, *shape)`` tensor; a missing gradient (or every one, ``zero``) counts as
+        zeros."""
+        grads = []
+        for slot in self.slots:
+            grad = slot.state.param.grad
+            if grad is not None and grad.is_sparse:
+                raise ValueError("FlexDeMo does not support sparse gradients.")
+            grads.append(torch.zeros_like(slot.param) if grad is None or zero else local_tensor(grad))
+        return torch.stack(grads)
+
 
 MAX_BUCKET_ENTRIES = 2**27
 """A bucket's parameters hold at most this many entries in all (512 MiB of float32; counted whole, not per
@@ -178,3 +191,54 @@ def build_buckets(slots_by_group: list[list[ParamSlot]], max_entries: int = MAX_
                 pieces.append(Bucket(slots=[], shape=local.shape, group=slot.group))
             pieces[-1].slots.append(slot)
     return [bucket for pieces in buckets.values() for bucket in pieces]
+
+
+def param_slots(
+    param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict], store: StateStore
+) -> list[list[ParamSlot]]:
+    """Each group's trainable parameters as slots: local shard, state (laid out by ``store``), group, and position
+    among all the optimizer's parameters."""
+    slots_by_group, index = [], 0
+    for group in param_groups:
+        slots = []
+        for p in group["params"]:
+            index += 1
+            if p.requires_grad:
+                local_p = local_tensor(p)
+                slots.append(ParamSlot(local_p, StateView(store, p, local_p, state[p]), group, index))
+        slots_by_group.append(slots)
+    return slots_by_group
+
+
+class BucketBook:
+    """An optimizer's buckets, kept from step to step, and its step count mirrored on the host.
+
+    Built at the first step, and again when they no longer fit: after the state was replaced (a load or a
+    heal sets :attr:`stale`), when a parameter was swapped (Accelerate's prepare), or when a shard's storage
+    was replaced (FSDP2 re-sharding after a move), since the buckets' views would update the old tensors.
+    """
+
+    def __init__(self) -> None:
+        self.buckets: list[Bucket] = []
+        self.stale = True
+        """Whether the state was replaced: build again, checking the state against this layout (host syncs)."""
+        self.host_step: int | None = None
+        """Steps taken, mirrored on the host (no sync per step); None: read them from the state again."""
+        self._signature: tuple[tuple[int, int], ...] = ()
+
+    def current(self, param_groups: list[dict[str, Any]]) -> list[Bucket] | None:
+        """The buckets, if they still fit the parameters and their state; None: build them (then :meth:`keep`)."""
+        if self.buckets and not self.stale and _signature(param_groups) == self._signature:
+            return self.buckets
+        return None
+
+    def keep(self, buckets: list[Bucket], param_groups: list[dict[str, Any]]) -> list[Bucket]:
+        """Keep freshly built buckets, their state created and checked; the step count is read again."""
+        self.buckets, self._signature = buckets, _signature(param_groups)
+        self.stale, self.host_step = False, None
+        return buckets
+
+
+def _signature(param_groups: list[dict[str, Any]]) -> tuple[tuple[int, int], ...]:
+    """Which parameters, in which storage."""
+    return tuple((id(p), local_tensor(p).data_ptr()) for group in param_groups for p in group["params"])

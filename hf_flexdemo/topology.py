@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .dtensor_utils import local_tensor
 
@@ -85,6 +86,27 @@ class ReplicaTopology:
 
     def all_reduce_sum(self, tensor: torch.Tensor, async_op: bool = False):
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+
+def check_layout(params: Iterable[torch.Tensor], topology: ReplicaTopology) -> None:
+    """Refuse parameters laid out so that FSDP would exchange across nodes, or so that replicas' processes would
+    train unsynchronized copies."""
+    for p in params:
+        if isinstance(p, DTensor):
+            names = p.device_mesh.mesh_dim_names or ()
+            if topology.replicate_dim is not None and topology.replicate_dim in names:
+                raise ValueError(
+                    f"FlexDeMo: a parameter of shape {tuple(p.shape)} is replicated by FSDP over the "
+                    f"{topology.replicate_dim!r} dimension (HSDP), so FSDP would all-reduce its gradients "
+                    "across nodes. FlexDeMo owns the inter-node exchange: shard with "
+                    f"fully_shard(module, mesh=mesh[<the other dims>]) instead."
+                )
+        elif topology.mesh is not None and topology.mesh.size() != topology.size:
+            raise ValueError(
+                f"FlexDeMo: a parameter of shape {tuple(p.shape)} is a plain tensor, but each replica spans "
+                f"{topology.mesh.size() // topology.size} processes; those processes would train unsynchronized "
+                "copies. Shard the model inside the node with FSDP2 (fully_shard(model, mesh=mesh[...]))."
+            )
 
 
 def parameter_fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

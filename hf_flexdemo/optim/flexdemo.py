@@ -25,16 +25,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from ..buckets import MAX_BUCKET_ENTRIES, Bucket, ParamSlot, build_buckets
+from ..buckets import MAX_BUCKET_ENTRIES, Bucket, BucketBook, build_buckets, param_slots
 from ..config import REPLAYABLE_SCHEMES, FlexDeMoConfig, validate_group
 from ..dtensor_utils import local_tensor
 from ..schemes import Collective, Decoded, StepContext, build_scheme
-from ..state_store import StateStore, StateView
+from ..state_store import StateStore
 from ..topology import (
     ReplicaTopology,
     broadcast_from_first_replica,
+    check_layout,
     parameter_fingerprint,
     replica_fingerprints,
 )
@@ -175,11 +175,8 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         self._store: StateStore | None = None
         self.last_step_stats = CommStats()
         self._pending: InFlight | None = None  # overlap: the last step's exchange
-        self._verify_state = True  # check saved state against this layout at the next step (costs host syncs)
         self._uncounted: dict[int, list] = {}  # per bucket: [slots, bytes sent, dense bytes] not yet in the state
-        self._buckets: list[Bucket] = []  # built at the first step (see _bucketed)
-        self._bucket_signature: tuple[tuple[int, int], ...] = ()
-        self._host_step: int | None = None  # steps taken, mirrored on the host (no sync per step)
+        self._book = BucketBook()  # the buckets, built at the first step (see _bucketed)
         self._managed = None  # fault tolerance: the ManagedReplicas that decide who the replicas are each step
         replayable = self.config.fault_tolerant and self.config.scheme in REPLAYABLE_SCHEMES
         self._replay = ReplayLog(self.config.replay_steps if replayable else 0)  # steps a lagging peer may replay
@@ -348,7 +345,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             taken = self._steps_taken()
             for bucket in buckets:
                 bucket.scalars("step", torch.int64).add_(1)
-            self._host_step = taken + 1
+            self._book.host_step = taken + 1
         # Steps still to replay count: the step number picks random's entries and replicate_every's exchanges,
         # which every replica of the quorum must pick alike.
         step = self._steps_taken() + self._steps_to_replay()
@@ -375,7 +372,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         stale = (healed_now or self._missed is not None) and not late_but_counted
         payloads, grad_bytes = [], []
         for bucket in stepping:  # one bucket's stacked gradients at a time: they are folded into its state
-            bucket.grad = None if sync_only else self._stacked_grads(bucket, stale)
+            bucket.grad = None if sync_only else bucket.stacked_grads(stale)
             payloads.append(self.scheme.local_step(bucket, ctx))
             grad_bytes.append(nbytes(bucket.grad) // bucket.count if bucket.grad is not None else 0)
             bucket.grad = None
@@ -434,7 +431,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         received, stats = job.exchange.wait()
         if job.undo is not None and not self._managed.commit():
             restore(job.undo)  # the step did not happen, on this node or any other
-            self._host_step = None  # the step counts went back: read them again
+            self._book.host_step = None  # the step counts went back: read them again
             return
         parts = split_received(received, job, self.scheme.collective)
         if job.undo is not None:
@@ -481,9 +478,9 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
 
     def _steps_taken(self) -> int:
         """Optimizer steps taken, kept on the host (read from the state once per build or undo)."""
-        if self._host_step is None:
-            self._host_step = int(self._bucketed()[0].scalars("step", torch.int64)[0])
-        return self._host_step
+        if self._book.host_step is None:
+            self._book.host_step = int(self._bucketed()[0].scalars("step", torch.int64)[0])
+        return self._book.host_step
 
     def _needs_sync(self) -> bool:
         first = self._bucketed()[0].slots[0]
@@ -498,23 +495,13 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         )
 
     def _bucketed(self) -> list[Bucket]:
-        """The buckets of this optimizer's parameters: built at the first step, after the state was replaced
-        (a load or a heal), and when the parameters were swapped (Accelerate's prepare)."""
-        # A parameter swapped (Accelerate's prepare) or its shard's storage replaced (FSDP2 re-sharding
-        # after a move): the buckets' views would update the old tensors, so they are rebuilt.
-        signature = tuple((id(p), local_tensor(p).data_ptr()) for group in self.param_groups for p in group["params"])
-        if self._buckets and not self._verify_state and signature == self._bucket_signature:
-            return self._buckets
+        """The buckets of this optimizer's parameters, built when they no longer fit (see :class:`BucketBook`),
+        with every state entry created and checked."""
+        buckets = self._book.current(self.param_groups)
+        if buckets is not None:
+            return buckets
         self._flush_counters()  # bytes counted per bucket reach the parameters' counters before rebuilding
-        slots_by_group, index = [], 0
-        for group in self.param_groups:
-            slots = []
-            for p in group["params"]:
-                index += 1
-                if p.requires_grad:
-                    local_p = local_tensor(p)
-                    slots.append(ParamSlot(local_p, StateView(self._store, p, local_p, self.state[p]), group, index))
-            slots_by_group.append(slots)
+        slots_by_group = param_slots(self.param_groups, self.state, self._store)
         all_slots = [slot for slots in slots_by_group for slot in slots]
         if "step" not in all_slots[0].state:
             self._start([slot.state.param for slot in all_slots])
@@ -531,25 +518,11 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             # Under torchft the nodes compare the dtype they took when they meet (no quorum is open here).
             group = self.topology.group if self._managed is None and self.topology.is_replicated else None
             self.rules["orthogonal"].settle_dtype(buckets[0].device, group)
-        self._buckets, self._bucket_signature = buckets, signature
-        self._verify_state = False
-        self._host_step = None
-        return buckets
-
-    @staticmethod
-    def _stacked_grads(bucket: Bucket, zero: bool) -> torch.Tensor:
-        """The bucket's gradients as one ``(count, *shape)`` tensor; a missing gradient counts as zeros."""
-        grads = []
-        for slot in bucket.slots:
-            grad = slot.state.param.grad
-            if grad is not None and grad.is_sparse:
-                raise ValueError("FlexDeMo does not support sparse gradients.")
-            grads.append(torch.zeros_like(slot.param) if grad is None or zero else local_tensor(grad))
-        return torch.stack(grads)
+        return self._book.keep(buckets, self.param_groups)
 
     def _start(self, params: list[torch.Tensor]) -> None:
         """First step: check the layout and that every replica starts from the same parameters."""
-        self._check_layout(params)
+        check_layout(params, self._topology or self.topology)
         if self._managed is not None:  # torchft's first quorum copies the first node's state to the others
             return
         prints = replica_fingerprints(params, self.topology)
@@ -560,25 +533,6 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
                 prints,
             )
             broadcast_from_first_replica(params, self.topology)
-
-    def _check_layout(self, params: list[torch.Tensor]) -> None:
-        topo = self._topology or self.topology
-        for p in params:
-            if isinstance(p, DTensor):
-                names = p.device_mesh.mesh_dim_names or ()
-                if topo.replicate_dim is not None and topo.replicate_dim in names:
-                    raise ValueError(
-                        f"FlexDeMo: a parameter of shape {tuple(p.shape)} is replicated by FSDP over the "
-                        f"{topo.replicate_dim!r} dimension (HSDP), so FSDP would all-reduce its gradients "
-                        "across nodes. FlexDeMo owns the inter-node exchange: shard with "
-                        f"fully_shard(module, mesh=mesh[<the other dims>]) instead."
-                    )
-            elif topo.mesh is not None and topo.mesh.size() != topo.size:
-                raise ValueError(
-                    f"FlexDeMo: a parameter of shape {tuple(p.shape)} is a plain tensor, but each replica spans "
-                    f"{topo.mesh.size() // topo.size} processes; those processes would train unsynchronized "
-                    "copies. Shard the model inside the node with FSDP2 (fully_shard(model, mesh=mesh[...]))."
-                )
 
     # -- replicas ----------------------------------------------------------------------
 
@@ -614,7 +568,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         check_saved_elementwise_rule(state_dict, self.param_groups, self.rules["orthogonal"].elementwise.name)
         self._pending = None  # an exchange started before loading refers to the replaced state
         self._uncounted.clear()  # so do bytes not yet added to it
-        self._verify_state = True
+        self._book.stale = True
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # torch takes the saved groups' keys; older checkpoints lack this one
             group.setdefault("update", "sign")

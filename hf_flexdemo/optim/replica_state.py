@@ -119,7 +119,7 @@ class ReplicaState:
                 else:  # a count
                     self.state[p][key] = peer_value.clone()
             self.scheme.healed(local_tensor(p), mine)
-        self._verify_state = True
+        self._book.stale = True
 
     def _take_missed_steps(self, peer: dict[str, Any]) -> None:
         """Keep a peer's logged steps for the next commit, when every process of the node replays them together
@@ -163,7 +163,7 @@ class ReplicaState:
             if step.groups:  # a round that changed nothing has no buckets
                 self._replay_step(buckets, step)
             self._replay.record(step)
-        self._host_step = None  # the step counts moved on
+        self._book.host_step = None  # the step counts moved on
 
     def _replay_step(self, buckets: list[Bucket], step: LoggedStep) -> None:
         """One missed step, as the peers applied it: weight decay, then each bucket's decoded update."""
