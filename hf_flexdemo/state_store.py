@@ -18,6 +18,7 @@ Three kinds of state:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -139,3 +140,19 @@ class StateView:
 
     def bind_plain(self, key: str, local: torch.Tensor) -> None:
         self.raw[key] = local
+
+
+def keep_saved_dtypes(state: dict, saved: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
+    """After torch's ``Optimizer.load_state_dict``, which casts floating state to the parameter's dtype: each entry
+    back in the dtype it was saved in (16-bit parameters keep float32 moments)."""
+    by_id = {}
+    for saved_group, group in zip(saved["param_groups"], param_groups):
+        by_id.update(zip(saved_group["params"], group["params"]))
+    for pid, saved_state in saved["state"].items():
+        p = by_id.get(pid)
+        if p is None:
+            continue
+        for key, value in saved_state.items():
+            current = state[p].get(key)
+            if torch.is_tensor(value) and torch.is_tensor(current) and value.dtype != current.dtype:
+                state[p][key] = value.to(device=current.device, copy=True)

@@ -152,6 +152,18 @@ def broadcast_from_first_replica(tensors: Iterable[torch.Tensor], topology: Repl
         dist.broadcast(local_tensor(t).data, src=src, group=topology.group)
 
 
+def start_from_first_replica(tensors: list[torch.Tensor], topology: ReplicaTopology) -> None:
+    """Every replica takes replica 0's local shards, if the replicas' differ (said once, with their fingerprints)."""
+    prints = replica_fingerprints(tensors, topology)
+    if len(set(prints)) > 1:
+        logger.warning(
+            "FlexDeMo: replicas start from different parameters (fingerprints %s); "
+            "copying replica 0's parameters to every replica.",
+            prints,
+        )
+        broadcast_from_first_replica(tensors, topology)
+
+
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     backend = dist.get_backend(group)
     if "nccl" in str(backend) and torch.cuda.is_available():

@@ -17,7 +17,7 @@ from support.launch import child_env, free_port, wait_for
 
 from hf_flexdemo.config import FlexDeMoConfig
 from hf_flexdemo.fault_tolerance import NodeIdentity
-from hf_flexdemo.lighthouse import LighthouseView, job_state_verdict, read_lighthouse
+from hf_flexdemo.fault_tolerance.lighthouse import LighthouseView, job_state_verdict, read_lighthouse
 
 pytest.importorskip("torchft", reason="torchft is part of the test install (setup.cfg [test])")
 
@@ -174,50 +174,41 @@ def test_a_node_that_would_start_a_finished_job_over_is_refused_and_a_resumed_on
 
 
 def test_the_summary_tells_how_the_quorum_grew_and_shrank():
-    from types import SimpleNamespace
+    from hf_flexdemo.fault_tolerance.membership import membership_story
 
-    from hf_flexdemo.fault_tolerance import ManagedReplicas
-
-    seen = SimpleNamespace(
-        step=140,
-        membership=[
-            (0, ("node0", "node1")),
-            (51, ("node0", "node1", "node2")),
-            (120, ("node0", "node2")),
-            (130, ("node0", "node1", "node3")),
-        ],
-    )
-    assert ManagedReplicas.membership_story(seen) == (
+    membership = [
+        (0, ("node0", "node1")),
+        (51, ("node0", "node1", "node2")),
+        (120, ("node0", "node2")),
+        (130, ("node0", "node1", "node3")),
+    ]
+    assert membership_story(membership, step=140) == (
         "2 node(s) (node0, node1) after 0 committed steps; grew to 3 after 51 (node2 joined); "
         "shrank to 2 after 120 (node1 left); grew to 3 after 130 (node2 left; node1, node3 joined); "
         "140 committed steps in all"
     )
-    assert ManagedReplicas.membership_story(SimpleNamespace(membership=[])) == "no quorum met"
+    assert membership_story([], step=0) == "no quorum met"
     # A node that is always late comes and goes every few steps: the story stays one readable line.
     flapping = [(0, ("node0", "node1"))] + [
         (10 * i, ("node0", "node1", "node2") if i % 2 else ("node0", "node1")) for i in range(1, 21)
     ]
-    story = ManagedReplicas.membership_story(SimpleNamespace(membership=flapping, step=205))
+    story = membership_story(flapping, step=205)
     assert story.count("after") == 7 and "14 more change(s)" in story
     assert story.endswith("shrank to 2 after 200 (node2 left); 205 committed steps in all")
 
 
 def test_a_node_that_ends_in_a_smaller_quorum_than_it_trained_with_says_its_model_may_lag():
-    from types import SimpleNamespace
+    from hf_flexdemo.fault_tolerance import NodeIdentity
+    from hf_flexdemo.fault_tolerance.closing import ending_note
 
-    from hf_flexdemo.fault_tolerance import ManagedReplicas, NodeIdentity
-
-    identity = NodeIdentity("http://127.0.0.1:1", 2, 3)
+    name = NodeIdentity("http://127.0.0.1:1", 2, 3).name
     three = (0, ("node0", "node1", "node2"))
-    node = dict(identity=identity, behind_at_close=False)
-    ended_alone = SimpleNamespace(**node, step=69, membership=[three, (68, ("node2",))])
-    note = ManagedReplicas.ending_note(ended_alone)
+    note = ending_note(name, [three, (68, ("node2",))], step=69, behind_at_close=False)
     assert "node2 ended in a quorum of 1 node(s) (node2) from 68 committed steps on, without node0, node1" in note
     assert "take the job's final model from a node of the largest last quorum" in note and "69 committed" in note
-    assert ManagedReplicas.ending_note(SimpleNamespace(**node, step=70, membership=[three])) == ""
+    assert ending_note(name, [three], step=70, behind_at_close=False) == ""
     # Its last round did not commit, and the nodes that finished had left: it says it is behind.
-    behind = SimpleNamespace(identity=identity, behind_at_close=True, step=69, membership=[three])
-    assert "node2 ended training behind the others" in ManagedReplicas.ending_note(behind)
+    assert "node2 ended training behind the others" in ending_note(name, [three], step=69, behind_at_close=True)
 
 
 def test_the_lighthouse_view_counts_the_nodes_waiting_for_a_quorum():

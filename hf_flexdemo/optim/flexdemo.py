@@ -18,6 +18,7 @@ The replication step is pluggable (:mod:`hf_flexdemo.schemes`: ``demo``, ``rando
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -27,16 +28,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..buckets import MAX_BUCKET_ENTRIES, Bucket, BucketBook, build_buckets, param_slots
-from ..config import REPLAYABLE_SCHEMES, FlexDeMoConfig, validate_group
-from ..dtensor_utils import local_tensor
+from ..config import FlexDeMoConfig, validate_group
+from ..fault_tolerance.rounds import QuorumRounds
 from ..schemes import Collective, Decoded, StepContext, build_scheme
-from ..state_store import StateStore
+from ..state_store import StateStore, keep_saved_dtypes
 from ..topology import (
     ReplicaTopology,
-    broadcast_from_first_replica,
     check_layout,
     parameter_fingerprint,
     replica_fingerprints,
+    start_from_first_replica,
 )
 from ..updates import (
     UpdateRule,
@@ -48,13 +49,11 @@ from ..updates import (
 from ..wire import CommStats, nbytes
 from .counters import COUNTERS, ByteCounters
 from .in_flight import InFlight, split_received, start_exchange
-from .replay import LoggedStep, ReplayLog
-from .replica_state import ReplicaState, restore
 
 logger = logging.getLogger(__name__)
 
 
-class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
+class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
     """Decoupled momentum optimizer that replicates compressed momentum across nodes.
 
     Args:
@@ -124,40 +123,8 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         replicate_dim: str | None = None,
         elementwise: Iterable[torch.Tensor] | None = None,
     ):
-        self.config = FlexDeMoConfig(
-            lr=lr,
-            weight_decay=weight_decay,
-            decay=decay,
-            topk=topk,
-            chunk=chunk,
-            sign=sign,
-            update=update,
-            elementwise_update=elementwise_update,
-            ns_dtype=ns_dtype,
-            decode=decode,
-            value_dtype=value_dtype,
-            scheme=scheme,
-            replicate_every=replicate_every,
-            rate=rate,
-            seed=seed,
-            inner_steps=inner_steps,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            betas=betas,
-            eps=eps,
-            overlap=overlap,
-            value_bits=value_bits,
-            pack_indices=pack_indices,
-            rounding=rounding,
-            shared_indices=shared_indices,
-            kernels=kernels,
-            fault_tolerance=fault_tolerance,
-            min_replicas=min_replicas,
-            ft_timeout=ft_timeout,
-            quorum_timeout=quorum_timeout,
-            replay_steps=replay_steps,
-            join_quorum=join_quorum,
-        )
+        arguments = locals()  # every setting is an argument of the same name
+        self.config = FlexDeMoConfig(**{f.name: arguments[f.name] for f in dataclasses.fields(FlexDeMoConfig)})
         self._update_unset = update is None  # a group's sign=False then keeps the sign rule, as sign=False does
         if self.config.update == "orthogonal":
             if elementwise is None and self._update_unset:
@@ -177,10 +144,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         self._pending: InFlight | None = None  # overlap: the last step's exchange
         self._uncounted: dict[int, list] = {}  # per bucket: [slots, bytes sent, dense bytes] not yet in the state
         self._book = BucketBook()  # the buckets, built at the first step (see _bucketed)
-        self._managed = None  # fault tolerance: the ManagedReplicas that decide who the replicas are each step
-        replayable = self.config.fault_tolerant and self.config.scheme in REPLAYABLE_SCHEMES
-        self._replay = ReplayLog(self.config.replay_steps if replayable else 0)  # steps a lagging peer may replay
-        self._missed: list[LoggedStep] | None = None  # steps this node missed, replayed at its next commit
+        self._init_quorum_rounds()  # fault tolerance (see hf_flexdemo.fault_tolerance.rounds)
         if mesh is not None:
             self.attach(mesh, replicate_dim)
 
@@ -213,25 +177,6 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         self._topology = topology
         self._store = StateStore(topology)
 
-    def attach_managed(self, replicas) -> None:
-        """Exchange with the live nodes of a torchft quorum (:class:`hf_flexdemo.fault_tolerance.ManagedReplicas`).
-
-        Each node is its own job: parameters are FSDP2-sharded over the node's processes (or
-        plain tensors with one process per node), and each node checkpoints its own state.
-        Every step joins the quorum (if the caller has not yet, see ``begin()``), exchanges
-        over its live replicas, and applies the update only if the node commits the step.
-        """
-        if self._topology is not None and self._topology.is_replicated:
-            raise RuntimeError(
-                "FlexDeMo: attach_managed() on an optimizer that already replicates over a device mesh dimension; "
-                "with fault tolerance each node is its own job (one node per launch, no dp_replicate dimension)."
-            )
-        if self._store is None:
-            self._set_topology(ReplicaTopology.single())
-        self._managed = replicas
-        replicas.register("flexdemo_optimizer", self.replica_state, self.load_replica_state)
-        replicas.describe("flexdemo", self._describe_layout)
-
     @property
     def topology(self) -> ReplicaTopology:
         if self._managed is not None:
@@ -251,21 +196,6 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
     @property
     def is_attached(self) -> bool:
         return self._topology is not None or self._managed is not None
-
-    @property
-    def managed(self):
-        """The :class:`~hf_flexdemo.fault_tolerance.ManagedReplicas` this optimizer exchanges through, or None."""
-        return self._managed
-
-    def begin_step(self) -> None:
-        """Fault tolerance: join this step's quorum now, before the forward pass (no-op otherwise, and with
-        ``join_quorum='when_ready'``, which joins in ``step()``).
-
-        A node that is behind then takes a peer's parameters before computing its gradient.
-        ``step()`` joins by itself if this was not called, one backward pass later.
-        """
-        if self._managed is not None and self.config.join_quorum == "before_forward":
-            self._managed.begin()
 
     # -- stepping ----------------------------------------------------------------------
 
@@ -299,47 +229,12 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         return True
 
     def _run(self, sync_only: bool) -> bool:
-        managed = self._managed
-        if self.config.fault_tolerant and managed is None:
-            raise RuntimeError(
-                "FlexDeMo: fault_tolerance='torchft' but no quorum is attached, so this node would train alone. "
-                "The Trainer and Accelerate attach it; in your own loop call "
-                "optimizer.attach_managed(hf_flexdemo.fault_tolerance.node_replicas(optimizer.config))."
-            )
-        first = next((p for group in self.param_groups for p in group["params"] if p.requires_grad), None)
-        if first is None:
+        """One step (``sync_only``: a round of ``synchronize()``); returns whether it exchanged across nodes."""
+        joined = self._enter_round(sync_only)  # fault tolerance: this step's quorum round (None: nothing to run)
+        if joined is None:
             return False
-        creating_state = (
-            managed is not None
-            and not managed.round_open
-            and not any(self.state.values())
-            and self._is_state_creation()
-        )
-        if managed is None:
-            self.topology  # noqa: B018  (decides the topology and state layout on first use)
-        in_round = managed is not None and not creating_state
-        if in_round and sync_only and self.config.join_quorum == "when_ready" and not self._needs_sync():
-            # Nothing to exchange, so no round: a node late for a quorum could otherwise meet this round with
-            # its training step, whose collectives are not this round's. It catches up at a training step.
-            return False
-        healed_now = False
-        if in_round:
-            if sync_only and "step" not in self.state.get(first, {}):
-                return False  # nothing trained yet
-            # The round may open here, after the backward pass, and replace the parameters: this
-            # gradient then belongs to the old ones, so the step folds in nothing.
-            healed_now = managed.begin() and not sync_only
-            if self.config.join_quorum == "when_ready" and managed.agree_on_finished():
-                # This node healed from one that finished training: the job's last step has committed. It
-                # catches up to it and finishes too; its own gradient would be a step past the end.
-                self._closing_round()
-                return False
         buckets = self._bucketed()
-        if in_round and sync_only and not self._needs_sync():
-            # Decided after healing, so every node decides alike; the round closes with nothing sent.
-            self._empty_round()
-            return False
-        topology = ReplicaTopology.single() if creating_state else self.topology
+        topology = ReplicaTopology.single() if joined.local else self.topology
         if not sync_only:
             self.flush()  # overlap: the previous step's update lands before this step's local maths
             taken = self._steps_taken()
@@ -349,33 +244,17 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         # Steps still to replay count: the step number picks random's entries and replicate_every's exchanges,
         # which every replica of the quorum must pick alike.
         step = self._steps_taken() + self._steps_to_replay()
-        if sync_only and not in_round and not self._needs_sync():
+        if sync_only and not joined.in_quorum and not self._needs_sync():
             return False
-        ctx = StepContext(
-            step=step,
-            replicate=self.scheme.is_replication_step(step, forced=sync_only),
-            replicas=topology.size,
-            rank=topology.rank,
-        )
-        if self.config.rounding == "stochastic":  # each replica its own draws: rounding errors independent
-            ctx.noise = torch.Generator().manual_seed((self.config.seed * 1_000_003 + step) * 1_009 + topology.rank)
+        ctx = self._context(step, sync_only, topology)
         stepping = [bucket.for_step(None) for bucket in buckets]
-        undo = self._snapshot(stepping, undo_step=not sync_only) if in_round else None
+        undo = self._snapshot(stepping, undo_step=not sync_only) if joined.in_quorum else None
         # Nothing reads the parameters between here and the rules, so under a quorum weight decay can wait
         # for the commit, after any catch-up (DiLoCo's inner steps do read them: it decays now).
-        decay_on_commit = in_round and not sync_only and not self.scheme.moves_parameters_locally
+        decay_on_commit = joined.in_quorum and not sync_only and not self.scheme.moves_parameters_locally
         if not sync_only and not decay_on_commit:
             self._decay(stepping)
-        # A gradient taken on parameters that a heal replaced, or that a catch-up will move, folds in nothing;
-        # but a node that joins when ready is late on purpose: its gradient counts, at most replay_steps old.
-        late_but_counted = self.config.join_quorum == "when_ready" and self._missed is not None
-        stale = (healed_now or self._missed is not None) and not late_but_counted
-        payloads, grad_bytes = [], []
-        for bucket in stepping:  # one bucket's stacked gradients at a time: they are folded into its state
-            bucket.grad = None if sync_only else bucket.stacked_grads(stale)
-            payloads.append(self.scheme.local_step(bucket, ctx))
-            grad_bytes.append(nbytes(bucket.grad) // bucket.count if bucket.grad is not None else 0)
-            bucket.grad = None
+        payloads, grad_bytes = self._local_steps(stepping, ctx, sync_only, joined.drop_gradient)
         overlap = self.config.overlap and ctx.replicate and not sync_only
         in_flight = start_exchange(
             self.scheme.collective, stepping, payloads, grad_bytes, ctx, async_op=overlap, topology=topology
@@ -387,55 +266,35 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
             self._finish(in_flight)
         return ctx.replicate
 
-    def _empty_round(self) -> bool:
-        """Commit a round that changes nothing (the node still catches up on steps it missed)."""
-        managed = self._managed
-        if not managed.commit(trained=False):
-            return False
-        self._catch_up()
-        self._replay.record(LoggedStep(managed.step, None, [], [], [], trained=False))
-        return True
+    def _context(self, step: int, sync_only: bool, topology: ReplicaTopology) -> StepContext:
+        ctx = StepContext(
+            step=step,
+            replicate=self.scheme.is_replication_step(step, forced=sync_only),
+            replicas=topology.size,
+            rank=topology.rank,
+        )
+        if self.config.rounding == "stochastic":  # each replica its own draws: rounding errors independent
+            ctx.noise = torch.Generator().manual_seed((self.config.seed * 1_000_003 + step) * 1_009 + topology.rank)
+        return ctx
 
-    def finish_training(self) -> None:
-        """Under torchft with ``join_quorum='when_ready'``: call once after the last step (the Trainer does).
-
-        The node stays while a live node is still on its last step, so that the late one catches up and every
-        node ends on the same parameters (:meth:`~hf_flexdemo.fault_tolerance.ManagedReplicas.close`).
-        """
-        if self._managed is not None and self.config.join_quorum == "when_ready":
-            self.flush()
-            self._managed.close(self._closing_round)
-
-    def _closing_round(self) -> bool:
-        """A round after the job's last step: nothing is sent; late nodes catch up, then every node compares.
-        Returns whether it committed (if not, this node has not caught up yet)."""
-        committed = self._empty_round()
-        self._managed.behind_at_close = not committed
-        if not committed:
-            return False
-        params = [p for group in self.param_groups for p in group["params"]]
-        prints = self._managed.fingerprints_of_leaders(parameter_fingerprint(params), closing=True)
-        differ = torch.tensor([int(len(set(prints)) > 1)], device=self._managed.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # every process of the node stops, or none
-            dist.all_reduce(differ, op=dist.ReduceOp.MAX)
-        if differ.item():
-            raise RuntimeError(
-                f"FlexDeMo fault tolerance: the nodes end training with different parameters (checksums on this "
-                f"process's shard: {prints}) although the late ones caught up: the nodes split (a node trained steps "
-                "the others did not see) or a kernel is not deterministic. Each node's last checkpoint is whole; take "
-                "the one of the node that trained in the largest quorums."
-            )
-        return True
+    def _local_steps(
+        self, stepping: list[Bucket], ctx: StepContext, sync_only: bool, drop_gradient: bool
+    ) -> tuple[list[list[torch.Tensor]], list[int]]:
+        """Each bucket's local maths (momentum, encode): its payload, and one gradient's size (the dense baseline)."""
+        payloads, grad_bytes = [], []
+        for bucket in stepping:  # one bucket's stacked gradients at a time: they are folded into its state
+            bucket.grad = None if sync_only else bucket.stacked_grads(drop_gradient)
+            payloads.append(self.scheme.local_step(bucket, ctx))
+            grad_bytes.append(nbytes(bucket.grad) // bucket.count if bucket.grad is not None else 0)
+            bucket.grad = None
+        return payloads, grad_bytes
 
     def _finish(self, job: InFlight) -> None:
+        """Wait for the step's exchange, and apply what came back: decode, then each bucket's update rule."""
         received, stats = job.exchange.wait()
-        if job.undo is not None and not self._managed.commit():
-            restore(job.undo)  # the step did not happen, on this node or any other
-            self._book.host_step = None  # the step counts went back: read them again
-            return
+        if job.undo is not None and not self._commit_round(job.undo):  # fault tolerance: the node votes
+            return  # not committed: the step is undone
         parts = split_received(received, job, self.scheme.collective)
-        if job.undo is not None:
-            self._catch_up()
         if job.decay_on_commit:
             self._decay(job.buckets)
         self._decode_and_apply(job.buckets, parts, job.ctx)
@@ -486,14 +345,6 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         first = self._bucketed()[0].slots[0]
         return self.scheme.needs_sync(first.state, self._steps_taken())
 
-    def _is_state_creation(self) -> bool:
-        """torch's distributed checkpoint creates state with one step of lr 0 and zero gradients: under a
-        quorum that step stays local (it moves nothing), so loading a checkpoint does not start a round."""
-        params = [p for group in self.param_groups for p in group["params"]]
-        return all(float(group["lr"]) == 0.0 for group in self.param_groups) and all(
-            p.grad is None or not bool(local_tensor(p.grad).any()) for p in params
-        )
-
     def _bucketed(self) -> list[Bucket]:
         """The buckets of this optimizer's parameters, built when they no longer fit (see :class:`BucketBook`),
         with every state entry created and checked."""
@@ -523,16 +374,8 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
     def _start(self, params: list[torch.Tensor]) -> None:
         """First step: check the layout and that every replica starts from the same parameters."""
         check_layout(params, self._topology or self.topology)
-        if self._managed is not None:  # torchft's first quorum copies the first node's state to the others
-            return
-        prints = replica_fingerprints(params, self.topology)
-        if len(set(prints)) > 1:
-            logger.warning(
-                "FlexDeMo: replicas start from different parameters (fingerprints %s); "
-                "copying replica 0's parameters to every replica.",
-                prints,
-            )
-            broadcast_from_first_replica(params, self.topology)
+        if self._managed is None:  # under torchft the first quorum copies the first node's state to the others
+            start_from_first_replica(params, self.topology)
 
     # -- replicas ----------------------------------------------------------------------
 
@@ -572,18 +415,7 @@ class FlexDeMo(ByteCounters, ReplicaState, torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # torch takes the saved groups' keys; older checkpoints lack this one
             group.setdefault("update", "sign")
-        # torch casts floating state to the parameter's dtype; 16-bit parameters keep float32 moments.
-        by_id = {}
-        for saved, group in zip(state_dict["param_groups"], self.param_groups):
-            by_id.update(zip(saved["params"], group["params"]))
-        for pid, saved_state in state_dict["state"].items():
-            p = by_id.get(pid)
-            if p is None:
-                continue
-            for key, value in saved_state.items():
-                current = self.state[p].get(key)
-                if torch.is_tensor(value) and torch.is_tensor(current) and value.dtype != current.dtype:
-                    self.state[p][key] = value.to(device=current.device, copy=True)
+        keep_saved_dtypes(self.state, state_dict, self.param_groups)
 
 
 def unwrap_flexdemo(optimizer) -> FlexDeMo | None:

@@ -34,7 +34,7 @@ class FullScheme(MomentumScheme):
         return [sent]
 
     def apply(self, bucket: Bucket, received: list[torch.Tensor], ctx: StepContext) -> Decoded | None:
-        # A copy: the rules work in place, and a catch-up log keeps what was received (see optim.replay).
+        # A copy: the rules work in place, and a catch-up log keeps what was received (see fault_tolerance.replay).
         return Decoded(bucket, received[0].clone()) if bucket.carried else None
 
 

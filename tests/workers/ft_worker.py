@@ -47,7 +47,7 @@ from transformers import (
 )
 
 import hf_flexdemo  # noqa: F401  (registers optim="flexdemo")
-from hf_flexdemo import fault_tolerance
+from hf_flexdemo.fault_tolerance.collectives import QuorumGroup
 from hf_flexdemo.optim import FlexDeMo, unwrap_flexdemo
 from hf_flexdemo.topology import parameter_fingerprint
 
@@ -114,15 +114,16 @@ class Progress(TrainerCallback):
 def kill_node_in_exchange(trainer: Trainer, at_step: int) -> None:
     """Die mid-exchange: in the quorum of the step, every process of this node SIGKILLed in the collective."""
     for name in ("all_gather_into", "all_reduce_sum"):
-        original = getattr(fault_tolerance.ManagedReplicas, name)
+        original = getattr(QuorumGroup, name)
 
         def die_in_exchange(self, *tensors, _original=original):
-            everyone = self.topology().size == self.identity.replica_groups
+            replicas = unwrap_flexdemo(trainer.optimizer).managed
+            everyone = replicas.topology().size == replicas.identity.replica_groups
             if trainer.state.global_step + 1 >= at_step and everyone and dist.get_rank() == 0:
                 kill_node(os.getppid())  # the launcher, this process and its siblings
             return _original(self, *tensors)
 
-        setattr(fault_tolerance.ManagedReplicas, name, die_in_exchange)
+        setattr(QuorumGroup, name, die_in_exchange)
 
 
 def die_while_serving(armed: Path, once: Path) -> None:

@@ -1,0 +1,209 @@
+"""The end of a job: closing rounds, so that a node late for the job's last step ends on the same model.
+
+With ``join_quorum='when_ready'`` the job's last step can commit without a late node; were the
+others to leave, it would commit a last step of its own. So a node that finished training stays
+(:meth:`JobEnd.close`) and joins a closing round whenever one waits at the Lighthouse. Nothing is
+exchanged in it: the late node heals from a finished one, learns from it that the job has finished
+(:data:`ROUND_STATE_KEY`), catches up, drops its own last gradient, and every node of the round
+compares parameter checksums (:class:`ClosingRounds`, the optimizer's side). A node that still
+ends apart says so in one line (:func:`ending_note`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import FlexDeMoConfig
+from ..topology import parameter_fingerprint
+from .lighthouse import node_of, read_lighthouse
+from .node import FaultToleranceError, NodeIdentity
+
+logger = logging.getLogger(__name__)
+
+ROUND_STATE_KEY = "flexdemo_round"
+"""The second entry of the state a healing node receives: whether the peer has finished training (the round is
+then a closing round), and which nodes it knows to have finished."""
+CLOSING_POLL_S = 0.2
+"""How often a node that finished training looks for a late node waiting to catch up."""
+
+
+class JobEnd:
+    """Whether this node has finished training, and the closing rounds it then joins."""
+
+    def __init__(self, manager, identity: NodeIdentity, config: FlexDeMoConfig, rank: int, device: torch.device):
+        self._manager, self._identity, self._config, self._rank, self._device = manager, identity, config, rank, device
+        self.finished = False
+        """Whether this node has finished training: every round it joins from then on is a closing round."""
+        self._final_step = 0  # torchft's committed steps when the job's last training step had committed
+        self._finished_nodes: set[str] = set()  # nodes known to have finished training
+        self.behind_at_close = False
+        """Whether this node's last closing round failed to commit: it has not caught up yet."""
+        manager.register_state_dict_fn(ROUND_STATE_KEY, self._take_round, self._serve_round)
+
+    def _serve_round(self) -> dict[str, Any]:
+        return {"finished": self.finished, "nodes": sorted(self._finished_nodes)}
+
+    def _take_round(self, peer: dict[str, Any]) -> None:
+        if peer["finished"]:
+            self.finished = True
+            self._finished_nodes.update(peer["nodes"])
+
+    def start_training(self) -> None:
+        """A new training run in this process (a second ``train()``): its rounds train again."""
+        self.finished, self._final_step, self.behind_at_close = False, 0, False
+        self._finished_nodes.clear()
+
+    def joined(self) -> None:
+        """After joining a round: a late node that healed from one that finished has finished too."""
+        if self.finished and not self._final_step:
+            self._final_step = self._manager.current_step()
+
+    def agree_on_finished(self) -> bool:
+        """Whether any process of this node healed from a node that finished (then all of them close).
+
+        Each process takes the peer's state on its own; one whose recovery failed would otherwise train while
+        the others close, and the node's collectives would no longer match."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([int(self.finished)], device=self._device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            self.finished = bool(flag.item())
+        return self.finished
+
+    def close(self, begin: Callable[[], Any], closing_round: Callable[[], bool], members, behind: bool) -> None:
+        """Stay while a live node is still on its last step (see :meth:`~.replicas.ManagedReplicas.close`).
+
+        ``begin`` joins a round, ``closing_round`` commits it; ``members`` are the nodes of this node's last
+        quorum, and ``behind`` says whether its last training step failed to commit.
+        """
+        self.finished = True
+        self._final_step = self._final_step or self._manager.current_step()
+        # A last training step that did not commit here leaves this node behind the others: it catches up too.
+        self.behind_at_close = self.behind_at_close or behind
+        self._finished_nodes.update(members)
+        deadline = time.monotonic() + self._config.quorum_timeout
+        said = False
+        while True:
+            action, training = self._closing_action(deadline)
+            if action == "round":
+                try:
+                    begin()
+                except FaultToleranceError as e:  # the others left meanwhile: nothing to catch up from
+                    logger.warning(
+                        "FlexDeMo fault tolerance: %s: no closing round after training: %s", self._identity.name, e
+                    )
+                    return
+                self.behind_at_close = not closing_round()
+            elif action == "wait":
+                if not said and self._rank == 0:
+                    logger.warning(
+                        "FlexDeMo fault tolerance: %s finished training and stays for %s, still on its last step "
+                        "(at most quorum_timeout=%g s), so that it ends on the same model.",
+                        self._identity.name,
+                        ", ".join(training),
+                        self._config.quorum_timeout,
+                    )
+                said = True
+                time.sleep(CLOSING_POLL_S)
+            else:
+                if action == "give up" and self._rank == 0:
+                    logger.warning(
+                        "FlexDeMo fault tolerance: %s stops waiting for %s after quorum_timeout=%g s; a node that "
+                        "finishes its last step after this one left commits it without it and may end on another "
+                        "model (its summary says so).",
+                        self._identity.name,
+                        ", ".join(training),
+                        self._config.quorum_timeout,
+                    )
+                return
+
+    def _closing_action(self, deadline: float) -> tuple[str, list[str]]:
+        """What a node that finished does next: ``round``, ``wait``, ``done`` or ``give up``; decided on rank 0."""
+        decision: list = [("done", [])]
+        if self._rank == 0:
+            finished = self._finished_nodes
+            view = read_lighthouse(self._identity.lighthouse)
+            if view.job_step >= self._final_step:  # a round after the job's last step: its nodes have finished
+                finished.update(node_of(replica) for replica in view.last_quorum)
+            training = sorted({node_of(replica) for replica in view.heartbeating} - finished - {self._identity.name})
+            if view.error:
+                decision[0] = ("done", [])
+            elif view.waiting or (self.behind_at_close and training and time.monotonic() < deadline):
+                decision[0] = ("round", training)
+            elif not training:
+                decision[0] = ("done", [])
+            else:
+                decision[0] = ("give up" if time.monotonic() > deadline else "wait", training)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(decision, src=0)
+        return decision[0]
+
+
+def ending_note(name: str, membership: list[tuple[int, tuple[str, ...]]], step: int, behind_at_close: bool) -> str:
+    """A warning when node ``name``'s last quorum held fewer nodes than it trained with ("" otherwise).
+
+    Nodes that finished (or left) while this one was late committed steps it never saw: its final
+    parameters may then differ from theirs. ``membership``: the quorums' history (see
+    :attr:`~.membership.Membership.history`); ``step``: the committed steps now.
+    """
+    if behind_at_close:
+        return (
+            f"FlexDeMo fault tolerance: {name} ended training behind the others: its last round did "
+            "not commit and no node that finished was left to catch up from. Take the job's final model from "
+            "another node."
+        )
+    if not membership:
+        return ""
+    largest = max(membership, key=lambda seen: len(seen[1]))[1]
+    changed_at, last = membership[-1]
+    if len(last) >= len(largest):
+        return ""
+    gone = ", ".join(node for node in largest if node not in last)
+    return (
+        f"FlexDeMo fault tolerance: {name} ended in a quorum of {len(last)} node(s) "
+        f"({', '.join(last)}) from {changed_at} committed steps on, without {gone}, who trained with it before. If "
+        f"they finished while it was late, the nodes' last steps differ: take the job's final model from a node of "
+        f"the largest last quorum (each node's summary line 'quorum of live nodes' says its own; {step} committed "
+        "steps here)."
+    )
+
+
+class ClosingRounds:
+    """The optimizer's end of a job under torchft (a mixin of :class:`~hf_flexdemo.FlexDeMo`: it reads its quorum,
+    its replay log and its parameters)."""
+
+    def finish_training(self) -> None:
+        """Under torchft with ``join_quorum='when_ready'``: call once after the last step (the Trainer does).
+
+        The node stays while a live node is still on its last step, so that the late one catches up and every
+        node ends on the same parameters (:meth:`~hf_flexdemo.fault_tolerance.ManagedReplicas.close`).
+        """
+        if self._managed is not None and self.config.join_quorum == "when_ready":
+            self.flush()
+            self._managed.close(self._closing_round)
+
+    def _closing_round(self) -> bool:
+        """A round after the job's last step: nothing is sent; late nodes catch up, then every node compares.
+        Returns whether it committed (if not, this node has not caught up yet)."""
+        committed = self._empty_round()
+        self._managed.behind_at_close = not committed
+        if not committed:
+            return False
+        params = [p for group in self.param_groups for p in group["params"]]
+        prints = self._managed.fingerprints_of_leaders(parameter_fingerprint(params), closing=True)
+        differ = torch.tensor([int(len(set(prints)) > 1)], device=self._managed.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every process of the node stops, or none
+            dist.all_reduce(differ, op=dist.ReduceOp.MAX)
+        if differ.item():
+            raise RuntimeError(
+                f"FlexDeMo fault tolerance: the nodes end training with different parameters (checksums on this "
+                f"process's shard: {prints}) although the late ones caught up: the nodes split (a node trained steps "
+                "the others did not see) or a kernel is not deterministic. Each node's last checkpoint is whole; take "
+                "the one of the node that trained in the largest quorums."
+            )
+        return True

@@ -1,0 +1,263 @@
+""":class:`ManagedReplicas`: this process's place in the quorum of nodes, the one object the optimizer talks to.
+
+It holds the process's torchft ``Manager`` and hands each question to the part that answers it:
+the step's quorum and commit (:mod:`.quorum`), who is live (:mod:`.membership`), what a
+healing node receives (:mod:`.healing`), the end of a job (:mod:`.closing`) and the exchange's
+collectives (:mod:`.collectives`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import FlexDeMoConfig
+from .closing import JobEnd, ending_note
+from .collectives import ManagedTopology, QuorumGroup
+from .healing import Healing
+from .membership import Membership, membership_story
+from .node import NodeIdentity, import_torchft, start_manager
+from .quorum import StepQuorum
+
+
+class ManagedReplicas:
+    """This process's membership in the quorum of nodes (one torchft ``Manager``).
+
+    Build one per process, after ``torch.distributed`` is initialised for the node's own
+    processes (FSDP2 inside the node); the node's rank 0 talks to the Lighthouse.
+
+    Args:
+        config: the optimizer's settings (``min_replicas``, ``ft_timeout``, ``quorum_timeout``).
+        identity: the Lighthouse address and this node's index (default: from the environment).
+        device: where exchanges run (``cuda`` uses torchft's NCCL group, otherwise gloo).
+    """
+
+    def __init__(self, config: FlexDeMoConfig, identity: NodeIdentity | None = None, device=None):
+        torchft = import_torchft()
+        self.config = config
+        self.identity = identity or NodeIdentity.from_env(config.min_replicas)
+        self.device = torch.device(device or "cpu")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.manager, group, self._store = start_manager(torchft, config, self.identity, self.device)
+        self._shut_down = False
+        atexit.register(_shut_down_at_exit, weakref.ref(self))
+        # The healing node receives the peer's settings first (checked before anything loads), then its round.
+        self._healing = Healing(self.manager, self.identity, rank)
+        self._end = JobEnd(self.manager, self.identity, config, rank, self.device)
+        self._members = Membership(self.manager, self.identity.name, rank)
+        self._quorum = StepQuorum(self.manager, self.identity, config, rank)
+        self._group = QuorumGroup(self.manager, group, self.device)
+        self.steps_before_quorum = 0
+        """The committed steps this node held when it asked for the current quorum (before any heal)."""
+
+    # -- one step --------------------------------------------------------------------------
+
+    def begin(self) -> bool:
+        """Join this step's quorum (no-op if open); returns True if this call copied a peer's state."""
+        if self._quorum.round_open:
+            return False
+        self._healing.start_round()
+        self.steps_before_quorum = self.manager.current_step()
+        previous = self._members.members
+        self._quorum.join()
+        self._members.note(previous)
+        self._end.joined()
+        self._quorum.check_job_state()
+        return self._healing.say_healed()
+
+    @property
+    def round_open(self) -> bool:
+        """Whether this step's quorum is joined and not yet committed."""
+        return self._quorum.round_open
+
+    def commit(self, trained: bool = True) -> bool:
+        """Every process of the node agrees whether the step stands; False: undo it.
+
+        ``trained``: whether the round trained a step (not a round of ``synchronize()`` or a closing one), for the
+        samples it counts."""
+        committed = self._quorum.commit(trained)
+        if not committed:
+            self._members.undone += 1
+        return committed
+
+    def report(self, error: Exception) -> None:
+        self.manager.report_error(error)
+
+    @property
+    def step(self) -> int:
+        """Steps committed by the quorum so far."""
+        return self.manager.current_step()
+
+    def topology(self) -> ManagedTopology:
+        """The replicas of the current (or, between steps, the last) quorum."""
+        if not self._quorum.met:
+            return ManagedTopology(group=None, size=1, rank=0, quorum=self._group)
+        rank = self.manager.participating_rank()
+        return ManagedTopology(group=None, size=self.manager.num_participants(), rank=rank or 0, quorum=self._group)
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor):
+        return self._group.all_gather_into(output, tensor)
+
+    def all_reduce_sum(self, tensor: torch.Tensor):
+        return self._group.all_reduce_sum(tensor)
+
+    def fingerprints_of_leaders(
+        self, fingerprint: torch.Tensor, unapplied: int = 0, closing: bool = False
+    ) -> list[int]:
+        """Parameter checksums of the last quorum's nodes that committed the most steps ([] if it failed).
+
+        A node that missed a commit differs on purpose until its next quorum heals it, and one whose
+        parameters still lack ``unapplied`` steps it will replay counts as that far behind. After training
+        (:meth:`close`) only a closing round compares: the others no longer join this node's collectives.
+        """
+        size = self.topology().size
+        if size == 1 or (self.finished and not closing):
+            return [int(fingerprint)]
+        return self._group.fingerprints_of_leaders(fingerprint, size, self.step - unapplied)
+
+    # -- what a healing node receives ---------------------------------------------------
+
+    def register(self, key: str, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """Serve ``state()`` to nodes that heal from this one; ``load`` applies a peer's on this node.
+
+        ``state()`` must return copies: torchft serves it while this node trains on. Registering
+        a key again (a second Trainer in the process) replaces its functions.
+        """
+        self._healing.register(key, state, load)
+
+    def describe(self, part: str, describe: Callable[[], Any]) -> None:
+        """What must be equal on every node (settings, shapes): compared when a node first takes a peer's state."""
+        self._healing.describe(part, describe)
+
+    def healing_steps(self) -> list[int] | None:
+        """Committed steps of the current quorum's nodes that are behind (None: the Lighthouse did not answer)."""
+        return self._healing.healing_steps()
+
+    def note_catch_up(self, steps: int, moved: int, copy: int) -> None:
+        """This round's heal is a replay of ``steps`` missed steps (``moved`` bytes; a full copy: ``copy``)."""
+        self._healing.note_catch_up(steps, moved, copy)
+
+    def note_copy(self, copied: int) -> None:
+        """This round's heal copied the whole state (``copied`` bytes to this process)."""
+        self._healing.note_copy(copied)
+
+    @property
+    def catch_ups(self) -> list[tuple[int, int, int]]:
+        """Every catch-up by replay since this process started: (steps, bytes moved, bytes a full copy moves)."""
+        return self._healing.catch_ups
+
+    def catch_up_story(self) -> str:
+        """The catch-ups by replay of this process, in one line ("" if none)."""
+        return self._healing.catch_up_story()
+
+    # -- the end of training -----------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        """Whether this node has finished training: every round it joins from then on is a closing round."""
+        return self._end.finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        self._end.finished = value
+
+    @property
+    def behind_at_close(self) -> bool:
+        """Whether this node's last closing round failed to commit: it has not caught up yet."""
+        return self._end.behind_at_close
+
+    @behind_at_close.setter
+    def behind_at_close(self, value: bool) -> None:
+        self._end.behind_at_close = value
+
+    def start_training(self) -> None:
+        """A new training run in this process (a second ``train()``): its rounds train again."""
+        self._end.start_training()
+
+    def agree_on_finished(self) -> bool:
+        """Whether any process of this node healed from a node that finished (then all of them close)."""
+        return self._end.agree_on_finished()
+
+    def check_trained(self) -> None:
+        """At the end of training: a node that failed every step it ran trained nothing, an error, not a quiet exit."""
+        self._quorum.check_trained()
+
+    def close(self, closing_round: Callable[[], bool]) -> None:
+        """At the end of training: stay while a live node is still on its last step, so that it ends on the same model.
+
+        With ``join_quorum='when_ready'`` the job's last step can commit without a late node; were the others to
+        leave, it would commit a last step of its own. So a node that finished joins a closing round whenever one
+        waits at the Lighthouse: nothing is exchanged, the late node catches up (by replay, or a copy) and finishes
+        too, and ``closing_round()`` commits the round. It leaves once every heartbeating node has finished (it was
+        in this node's last round, or in a round after the job's last step), or after ``quorum_timeout``.
+        """
+        if self._quorum.met:
+            self._end.close(self.begin, closing_round, self._members.members, self._quorum.uncommitted > 0)
+
+    def ending_note(self) -> str:
+        """A warning when this node's last quorum held fewer nodes than it trained with ("" otherwise)."""
+        return ending_note(self.identity.name, self.membership, self.step, self.behind_at_close)
+
+    # -- who is live -----------------------------------------------------------------------
+
+    @property
+    def membership(self) -> list[tuple[int, tuple[str, ...]]]:
+        """``(committed steps, nodes)`` at each change of the quorum's nodes this node saw, oldest first."""
+        return self._members.history
+
+    @property
+    def committed_node_steps(self) -> int:
+        """Sum of the quorum's size over the steps this node committed since this process started."""
+        return self._quorum.committed_node_steps
+
+    def membership_story(self) -> str:
+        """How the quorum grew and shrank while this node was in it, in one line."""
+        return membership_story(self.membership, self.step)
+
+    # -- checkpoints and exit --------------------------------------------------------------
+
+    def resume(self, state: dict[str, int] | None) -> None:
+        """Continue from a checkpoint: ``state`` is :meth:`state_dict` as it was saved (``None``: not saved)."""
+        self._quorum.resume(state)
+
+    def state_dict(self) -> dict[str, int]:
+        """torchft's committed-step count, for a checkpoint: a node resumed from it heals only if behind."""
+        return self._quorum.state_dict()
+
+    def shutdown(self) -> None:
+        """Stop this node's torchft manager and free its process group; runs at exit, while Python is whole.
+
+        Left to the interpreter's teardown, a gloo collective still pending at exit completes on a
+        gloo thread that can no longer take the GIL, and a run that went well ends in SIGABRT
+        ("terminate called without an active exception"). Freed here, the group waits for such a
+        collective instead, ``ft_timeout`` at most; the manager stops after it, so that a peer
+        still taking this node's state meanwhile can finish.
+        """
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._group.shutdown()
+        self.manager.shutdown(wait=False)
+        self._store = None
+
+
+def _shut_down_at_exit(replicas: weakref.ref[ManagedReplicas]) -> None:
+    node = replicas()
+    if node is not None:
+        node.shutdown()
+
+
+_NODE: ManagedReplicas | None = None
+
+
+def node_replicas(config: FlexDeMoConfig, device=None) -> ManagedReplicas:
+    """This process's one :class:`ManagedReplicas` (a process belongs to one quorum), built on first use."""
+    global _NODE
+    if _NODE is None:
+        _NODE = ManagedReplicas(config, device=device)
+    return _NODE
