@@ -165,3 +165,17 @@ def test_ns_dtype_auto_takes_one_dtype_for_the_whole_job(ranks):
             "rule_dtype": "torch.float32",
             "replicas_equal": True,
         }
+
+
+def test_triton_kernels_keep_replicas_bitwise_identical_and_the_wire_unchanged(ranks):
+    """kernels='triton' on FSDP2 shards (2 nodes x 2 processes, Triton's interpreter): replicas stay bitwise equal,
+    the same bytes cross nodes as with kernels='torch', and the parameters follow the torch path's."""
+    if ranks[0]["triton"] is None:
+        pytest.skip("Triton is not installed (pip install triton)")
+    for rank in ranks:
+        fused, plain = rank["triton"]["triton"], rank["triton"]["torch"]
+        assert fused["replicas_equal"] and plain["replicas_equal"]
+        assert fused["wire"] == plain["wire"] and fused["counted"] == plain["counted"]
+        for got, expected in zip(fused["params"], plain["params"]):
+            differ = sum(abs(a - b) > 1e-6 for a, b in zip(got, expected))
+            assert differ <= max(1, len(expected) // 100), f"rank {rank['rank']}: {differ} of {len(expected)} differ"

@@ -1,9 +1,19 @@
-"""Small ``@triton.jit`` helpers the kernels share: rounding as torch rounds, on a GPU and in the interpreter."""
+"""Small ``@triton.jit`` helpers the kernels share: rounding as torch rounds, on a GPU and in the interpreter.
+
+The reductions here stand in for ``tl.sum``, ``tl.max`` and ``tl.cumsum`` (and the kernels write ``tl.full`` for
+``tl.zeros``): Triton's standard library defines those with ``@triton.jit`` when ``triton.language`` is first
+imported, so a process that imported it before setting ``TRITON_INTERPRET=1`` (``from transformers import Trainer``
+does) holds compiled-only versions, which an interpreted kernel cannot call. ``tl.reduce`` and
+``tl.associative_scan`` are builtins; given the standard library's own combine functions (private names, imported
+below: a rename fails the kernels' tests at once), the interpreter takes its numpy fast path and a GPU compiles
+them as it compiles ``tl.sum``.
+"""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.standard import _elementwise_max, _sum_combine
 
 WIRE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 """A 16- or 32-bit float dtype as the kernels' constexpr ``DTYPE`` (by ``str(dtype)`` without ``torch.``)."""
@@ -44,3 +54,22 @@ def round_half_even(x):
     odd = (low - 2.0 * tl.floor(low * 0.5)) != 0
     up = (frac > 0.5) | ((frac == 0.5) & odd)
     return tl.where(up, low + 1.0, low)
+
+
+
+@triton.jit
+def total(x, axis: tl.constexpr):
+    """``tl.sum(x, axis)``."""
+    return tl.reduce(x, axis, _sum_combine)
+
+
+@triton.jit
+def largest(x, axis: tl.constexpr):
+    """``tl.max(x, axis)``."""
+    return tl.reduce(x, axis, _elementwise_max)
+
+
+@triton.jit
+def running_total(x, axis: tl.constexpr):
+    """``tl.cumsum(x, axis)``: inclusive."""
+    return tl.associative_scan(x, axis, _sum_combine)

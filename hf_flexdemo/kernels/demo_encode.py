@@ -30,7 +30,7 @@ from torch.library import triton_op, wrap_triton
 
 from ..compression import ChunkPlan
 from . import padded_dct
-from ._triton_common import dtype_code, round_half_even, round_to_dtype
+from ._triton_common import dtype_code, largest, round_half_even, round_to_dtype, running_total, total
 from .demo_encode_torch import EncodedTiles
 
 
@@ -89,14 +89,14 @@ def _demo_encode_kernel(
     for _ in range(31):
         span = high - low
         middle = low + (span >> 1) + (span & 1)
-        enough = tl.sum((magnitude >= middle).to(tl.int32), axis=0) >= K
+        enough = total((magnitude >= middle).to(tl.int32), axis=0) >= K
         low = tl.where(enough, middle, low)
         high = tl.where(enough, high, middle - 1)
     above = magnitude > low
     at = magnitude == low
-    missing = K - tl.sum(above.to(tl.int32), axis=0)
-    chosen = above | (at & (tl.cumsum(at.to(tl.int32), axis=0) <= missing))
-    out = tile.to(tl.int64) * K + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    missing = K - total(above.to(tl.int32), axis=0)
+    chosen = above | (at & (running_total(at.to(tl.int32), axis=0) <= missing))
+    out = tile.to(tl.int64) * K + running_total(chosen.to(tl.int32), axis=0) - 1
     tl.store(index_ptr + out, flat_index, mask=chosen)
     tl.store(value_ptr + out, flat_q, mask=chosen)
 
@@ -105,11 +105,11 @@ def _demo_encode_kernel(
     else:
         sent = tl.where(chosen, tl.abs(flat_q), 0.0)
         if BITS == 1:
-            scale = tl.div_rn(tl.sum(sent, axis=0), tl.full((), K, tl.float32))
+            scale = tl.div_rn(total(sent, axis=0), tl.full((), K, tl.float32))
             code = (flat_q >= 0).to(tl.int32)
             decoded = tl.where(flat_q >= 0, scale, -scale)
         else:
-            scale = tl.div_rn(tl.max(sent, axis=0), tl.full((), LEVELS, tl.float32))
+            scale = tl.div_rn(largest(sent, axis=0), tl.full((), LEVELS, tl.float32))
             safe = tl.where(scale > 0, scale, 1.0)
             scaled = tl.div_rn(flat_q, safe)
             if STOCHASTIC:

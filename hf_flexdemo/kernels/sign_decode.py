@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..compression import ChunkPlan
 from . import padded_dct
-from ._triton_common import dtype_code, round_to_dtype
+from ._triton_common import dtype_code, round_to_dtype, total
 
 BLOCK = 64
 """Most sent entries one product takes at a time (bounds a program's registers whatever ``k`` and replicas)."""
@@ -59,7 +59,7 @@ def _sign_decode_kernel(
     rows_a = tl.arange(0, A)
     cols_b = tl.arange(0, B)
     block = tl.arange(0, KB)
-    update = tl.zeros((A, B), dtype=tl.float32)
+    update = tl.full((A, B), 0.0, tl.float32)
     for replica in range(REPLICAS):
         for start in range(0, K, KB):
             entry = start + block
@@ -68,13 +68,13 @@ def _sign_decode_kernel(
             value = tl.load(value_ptr + (replica * n_tiles + tile).to(tl.int64) * K + entry, mask=valid, other=0.0)
             value = value.to(tl.float32)
             if SELECTED:
-                senders = tl.zeros((KB,), dtype=tl.int32)
+                senders = tl.full((KB,), 0, tl.int32)
                 for other in range(REPLICAS):
                     for start2 in range(0, K, KB):
                         entry2 = start2 + block
                         where2 = (other * n_tiles + tile).to(tl.int64) * K + entry2
                         index2 = tl.load(index_ptr + where2, mask=entry2 < K, other=-2)
-                        senders += tl.sum((index[:, None] == index2[None, :]).to(tl.int32), axis=1)
+                        senders += total((index[:, None] == index2[None, :]).to(tl.int32), axis=1)
                 share = tl.div_rn(value, tl.maximum(senders, 1).to(tl.float32))
             else:
                 share = tl.div_rn(value, tl.full((KB,), REPLICAS, tl.float32))

@@ -6,13 +6,16 @@ with what it measured, and the pytest side asserts on it. One start-up serves al
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from support.comm_spy import CommSpy
 from support.tiny_models import OddShapes, batch
 from torch.distributed.checkpoint.state_dict import (
@@ -357,6 +360,38 @@ def check_ns_dtype_agreement(mesh, coords) -> dict:
     return out
 
 
+def check_triton_kernels(mesh, coords, spy) -> dict | None:
+    """kernels='triton' (Triton's interpreter on these CPU processes) against 'torch' on a small model whose shards
+    make a few tiles (one process's shard of the head is empty): replicas bitwise equal, the same bytes on the wire.
+    None where Triton is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' first use imports them
+    out = {}
+    for kernels in ("torch", "triton"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(24, 16), nn.Tanh(), nn.Linear(16, 1))
+        fully_shard(model, mesh=mesh["shard"])
+        opt = FlexDeMo(model.parameters(), lr=2**-7, weight_decay=0.01, mesh=mesh, update="sign", kernels=kernels,
+                       value_bits=2, pack_indices=True, **SMALL)  # fmt: skip
+        wire = []
+        for step in range(3):
+            x, y = batch(*coords, step)
+            opt.zero_grad()
+            ((model(x).squeeze(-1) - y) ** 2).mean().backward()
+            with spy.watching():
+                spy.clear()
+                opt.step()
+            wire.append(sum(c["bytes"] for c in spy.inter_node()))
+        out[kernels] = {
+            "replicas_equal": len(set(replica_fingerprints(list(model.parameters()), opt.topology))) == 1,
+            "wire": wire,
+            "counted": opt.total_stats.bytes_sent,
+            "params": [local_tensor(p).detach().reshape(-1).tolist() for p in model.parameters()],
+        }
+    return out
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     dist.init_process_group("gloo")
@@ -375,6 +410,7 @@ def main() -> None:
         "errors": check_errors(mesh),
         "start_sync": check_start_sync(mesh),
         "ns_dtype": check_ns_dtype_agreement(mesh, coords),
+        "triton": check_triton_kernels(mesh, coords, spy),
     }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
