@@ -67,7 +67,7 @@ def check_settings(*, scheme: str, shared_indices: bool, chunk: int) -> None:
     if scheme not in FUSED_SCHEMES or shared_indices:
         which = "shared_indices=True" if scheme in FUSED_SCHEMES else f"scheme={scheme!r}"
         raise ValueError(
-            f"FlexDeMo: kernels='triton' fuses scheme='demo''s passes (without shared_indices), so with {which} "
+            f"FlexDeMo: kernels='triton' fuses the passes of scheme='demo' (without shared_indices), so with {which} "
             f"it would be ignored; {fix}, or scheme='demo' without shared_indices."
         )
     check_chunk(chunk)

@@ -14,6 +14,10 @@ rule with one transform fewer per step (two instead of three). The state entry
 ``momentum_dct`` holds ``Q`` laid out like the parameter (see :mod:`..compression`); a bucket's
 tensors are stacked by rows, so each phase is one operation on all of them.
 
+With ``kernels='triton'`` the momentum update, the top-k, the wire's quantization and the error feedback run as
+one fused pass per tile (:mod:`hf_flexdemo.kernels.demo_encode`), and the received parts go to the rule as they
+are (:class:`~.base.SparseCoefficients`): the sign rule applies them fused, the others make them dense.
+
 One replica: no communication; the update is the sign of the replica's own top-k
 reconstruction (the momentum and error feedback still work as above).
 """
