@@ -198,6 +198,23 @@ def test_sign_decode_kernel_equals_torch(case, replicas):
 
 
 @needs_triton
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_dense_decode_kernel_equals_torch(case, replicas):
+    """What the orthogonal and adam rules take: the decoded update itself, to float32 rounding (summation order)."""
+    from hf_flexdemo.kernels.sign_decode import demo_decode
+    from hf_flexdemo.kernels.sign_decode_torch import demo_decode_torch
+
+    plan, _ = bucket_plan(case)
+    parts = replica_parts(plan, replicas, seed=replicas)
+    for mode in ("selected", "mean"):
+        expected = demo_decode_torch(parts, plan, mode=mode)
+        got = demo_decode(parts, plan, mode=mode)
+        assert got.shape == expected.shape == (plan.rows, plan.cols) and got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["selected", "mean"])
 def test_sign_false_decode_kernel_applies_the_update_itself(dtype, mode):
@@ -363,10 +380,12 @@ encode = dict(grad_ptr="*bf16", q_ptr="*fp32", left_ptr="*fp32", right_ptr="*fp3
               index_ptr="*i32", value_ptr="*fp32", code_ptr="*u8", scale_ptr="*fp32")
 compile(_demo_encode_kernel, encode, dict(cols="i32", grid_cols="i32", decay="fp32", lr="fp32"),
         dict(TILE_ROWS=13, TILE_COLS=40, A=16, B=64, K=32, SELECT=True, BITS=2, LEVELS=1, STOCHASTIC=True, WIRE=0))
-decode = dict(table_ptr="*i64", index_ptr="*i32", value_ptr="*bf16", left_ptr="*fp32", right_ptr="*fp32")
-compile(_sign_decode_kernel, decode, dict(n_tiles="i32", cols="i32", grid_cols="i32", tiles_per_param="i32",
-        neg_lr="fp32"), dict(REPLICAS=3, K=100, KB=64, TILE_ROWS=7, TILE_COLS=40, A=16, B=64, SELECTED=True,
-        SIGN=False, PARAM=1))
+decode = dict(table_ptr="*i64", out_ptr="*fp32", index_ptr="*i32", value_ptr="*bf16", left_ptr="*fp32",
+              right_ptr="*fp32")
+for store in (False, True):
+    compile(_sign_decode_kernel, decode, dict(n_tiles="i32", cols="i32", grid_cols="i32", tiles_per_param="i32",
+            neg_lr="fp32"), dict(REPLICAS=3, K=100, KB=64, TILE_ROWS=7, TILE_COLS=40, A=16, B=64, SELECTED=True,
+            SIGN=False, PARAM=1, STORE=store))
 print("compiled")
 """
 

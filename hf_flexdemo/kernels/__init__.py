@@ -130,3 +130,15 @@ def sign_decoder() -> Callable:
     from .sign_decode import sign_decode
 
     return sign_decode
+
+
+def dense_decoder(kernels: str) -> Callable:
+    """The function that makes DeMo's received parts a dense update (:func:`.sign_decode_torch.demo_decode_torch`'s
+    signature): what the rules other than ``sign`` take."""
+    if kernels == "triton":
+        from .sign_decode import demo_decode
+
+        return demo_decode
+    from .sign_decode_torch import demo_decode_torch
+
+    return demo_decode_torch

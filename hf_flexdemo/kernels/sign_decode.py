@@ -1,5 +1,6 @@
-"""The sign rule's decode-and-apply as one Triton program per tile: it must equal
-:func:`.sign_decode_torch.sign_decode_torch`.
+"""DeMo's decode as one Triton program per tile: applied by the sign rule (:func:`sign_decode`, which must equal
+:func:`.sign_decode_torch.sign_decode_torch`), or stored as the dense update the other rules take
+(:func:`demo_decode`, which must equal :func:`.sign_decode_torch.demo_decode_torch`).
 
 The inverse DCT of a sparse tile is a low-rank product. With the ``K = replicas * k`` sent entries of a tile at
 rows ``r_e``, columns ``c_e`` (``index = r * tile_cols + c``), values ``v_e``, and ``n_e`` the replicas that sent
@@ -35,6 +36,7 @@ BLOCK = 64
 @triton.jit
 def _sign_decode_kernel(
     table_ptr,
+    out_ptr,
     index_ptr,
     value_ptr,
     left_ptr,
@@ -54,6 +56,7 @@ def _sign_decode_kernel(
     SELECTED: tl.constexpr,
     SIGN: tl.constexpr,
     PARAM: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     rows_a = tl.arange(0, A)
@@ -84,15 +87,19 @@ def _sign_decode_kernel(
             right = tl.load(right_ptr + col[:, None] * B + cols_b[None, :])  # R[c_e, n]
             update += tl.dot(left_t * share[None, :], right, input_precision="ieee")
 
+    i = rows_a[:, None]
+    j = cols_b[None, :]
+    inside = (i < TILE_ROWS) & (j < TILE_COLS)
+    if STORE:  # the dense update for another rule: the tile of the stacked (rows, cols) float32 output
+        base = (tile // grid_cols).to(tl.int64) * TILE_ROWS * cols + (tile % grid_cols) * TILE_COLS
+        tl.store(out_ptr + base + i * cols + j, update, mask=inside)
+        return
     if SIGN:
         step = tl.where(update > 0, 1.0, tl.where(update < 0, -1.0, 0.0))
     else:
         step = round_to_dtype(update, PARAM)
     local = tile % tiles_per_param
     base = (local // grid_cols).to(tl.int64) * TILE_ROWS * cols + (local % grid_cols) * TILE_COLS
-    i = rows_a[:, None]
-    j = cols_b[None, :]
-    inside = (i < TILE_ROWS) & (j < TILE_COLS)
     address = tl.load(table_ptr + tile // tiles_per_param)
     if PARAM == 1:
         where = address.to(tl.pointer_type(tl.bfloat16)) + base + i * cols + j
@@ -126,10 +133,45 @@ def sign_decode_op(
 ) -> None:
     """The kernel as one torch operation: ``indices`` and ``values`` are ``(replicas, n_tiles, k)``, ``params`` the
     bucket's contiguous parameters (each ``rows x cols`` of the plan, stacked by rows)."""
-    replicas, n_tiles, k = indices.shape
     table = _address_table(tuple(p.data_ptr() for p in params), params[0].device)
+    _launch(table, None, indices, values, left, right, cols, tile_rows, tile_cols, selected, lr, sign, params)
+
+
+@sign_decode_op.register_fake
+def _(params, indices, values, left, right, cols, tile_rows, tile_cols, selected, lr, sign) -> None:
+    return None
+
+
+@torch.library.custom_op("hf_flexdemo::demo_decode", mutates_args=())
+def demo_decode_op(
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    rows: int,
+    cols: int,
+    tile_rows: int,
+    tile_cols: int,
+    selected: bool,
+) -> torch.Tensor:
+    """The same kernel storing the decoded update ``U`` (float32, ``rows x cols``) instead of applying it."""
+    out = torch.empty(rows, cols, dtype=torch.float32, device=values.device)
+    _launch(indices, out, indices, values, left, right, cols, tile_rows, tile_cols, selected, 0.0, True, [out])
+    return out
+
+
+@demo_decode_op.register_fake
+def _(indices, values, left, right, rows, cols, tile_rows, tile_cols, selected) -> torch.Tensor:
+    return values.new_empty(rows, cols, dtype=torch.float32)
+
+
+def _launch(table, out, indices, values, left, right, cols, tile_rows, tile_cols, selected, lr, sign, params) -> None:
+    """One program per tile: apply to ``params`` (their addresses in ``table``), or store into ``out`` (when given,
+    as ``params``'s one tensor)."""
+    replicas, n_tiles, k = indices.shape
     _sign_decode_kernel[(n_tiles,)](
         table,
+        out if out is not None else values,  # unread unless storing
         indices,
         values,
         left,
@@ -149,14 +191,10 @@ def sign_decode_op(
         SELECTED=selected and replicas > 1,
         SIGN=sign,
         PARAM=dtype_code(params[0].dtype),
+        STORE=out is not None,
         num_warps=4,
         enable_fp_fusion=False,  # each product and sum rounded as written, as the torch path's separate operations
     )
-
-
-@sign_decode_op.register_fake
-def _(params, indices, values, left, right, cols, tile_rows, tile_cols, selected, lr, sign) -> None:
-    return None
 
 
 def sign_decode(
@@ -171,14 +209,9 @@ def sign_decode(
     """:func:`.sign_decode_torch.sign_decode_torch`, fused (same arguments, the same step to float32 rounding)."""
     if plan.n_tiles == 0:
         return
-    indices = torch.stack([index.to(torch.int32) for index, _ in parts])
-    values = torch.stack([value for _, value in parts])
     sign_decode_op(
         list(params),
-        indices.view(len(parts), plan.n_tiles, plan.k),
-        values.view(len(parts), plan.n_tiles, plan.k),
-        padded_dct(plan.tile_rows, values.device),
-        padded_dct(plan.tile_cols, values.device),
+        *_kernel_inputs(parts, plan),
         plan.cols,
         plan.tile_rows,
         plan.tile_cols,
@@ -186,3 +219,33 @@ def sign_decode(
         float(lr),
         sign,
     )
+
+
+def demo_decode(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]], plan: ChunkPlan, *, mode: str, dtype=torch.float32
+) -> torch.Tensor:
+    """:func:`.sign_decode_torch.demo_decode_torch`, fused: the decoded update, float32, ``plan.rows x plan.cols``.
+
+    What the orthogonal and adam rules take: one write of the update, where the torch path zeroes a dense
+    coefficient matrix, scatters into it and runs two matrix products over it.
+    """
+    assert dtype == torch.float32, "the kernels keep float32 momentum (float64 parameters are refused)"
+    if plan.n_tiles == 0:
+        return torch.zeros(plan.rows, plan.cols, dtype=torch.float32, device=parts[0][1].device)
+    return demo_decode_op(
+        *_kernel_inputs(parts, plan),
+        plan.rows,
+        plan.cols,
+        plan.tile_rows,
+        plan.tile_cols,
+        mode == "selected",
+    )
+
+
+def _kernel_inputs(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], plan: ChunkPlan) -> tuple[torch.Tensor, ...]:
+    """Every replica's indices and values as ``(replicas, n_tiles, k)``, and the tile's padded DCT matrices."""
+    indices = torch.stack([index.to(torch.int32) for index, _ in parts])
+    values = torch.stack([value for _, value in parts])
+    shape = (len(parts), plan.n_tiles, plan.k)
+    left, right = padded_dct(plan.tile_rows, values.device), padded_dct(plan.tile_cols, values.device)
+    return indices.view(shape), values.view(shape), left, right

@@ -32,7 +32,14 @@ def sign_decode_torch(
     sign: bool,
 ) -> None:
     """Move ``params`` (one bucket's, ``plan`` stacked over them) by the sign rule on the replicas' ``parts``."""
-    update = from_coefficients(decode_replicas(parts, plan, mode, torch.float32), plan, overwrite=True)
+    update = demo_decode_torch(parts, plan, mode=mode)
     step = (update.sign_() if sign else update).to(params[0].dtype).view(len(params), -1)
     for p, s in zip(params, step.unbind(0)):  # in float32, rounded once (torch's CPU add would round lr to bf16)
         p.copy_(p.float().add_(s.view_as(p).float(), alpha=-lr))
+
+
+def demo_decode_torch(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]], plan: ChunkPlan, *, mode: str, dtype=torch.float32
+) -> torch.Tensor:
+    """The decoded update, ``plan.rows x plan.cols`` in ``dtype``: the inverse DCT of the replicas' average."""
+    return from_coefficients(decode_replicas(parts, plan, mode, dtype), plan, overwrite=True)

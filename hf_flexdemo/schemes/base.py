@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from ..buckets import Bucket, ParamSlot
-from ..compression import ChunkPlan, decode_replicas, from_coefficients
+from ..compression import ChunkPlan
 from ..config import FlexDeMoConfig
+from ..kernels import dense_decoder
 from ..state_store import StateView
 
 
@@ -62,11 +63,12 @@ class SparseCoefficients:
     """``decode``: ``selected`` or ``mean``."""
     dtype: torch.dtype
     """The momentum's dtype, which the dense update takes."""
+    kernels: str = "torch"
+    """The setting ``kernels``: which implementation makes the update dense."""
 
     def dense(self) -> torch.Tensor:
-        """The decoded update, ``count * numel`` entries: the average's inverse DCT (as ``kernels='torch'``)."""
-        coefficients = decode_replicas(self.parts, self.plan, self.mode, self.dtype)
-        return from_coefficients(coefficients, self.plan, overwrite=True).view(-1)
+        """The decoded update, ``count * numel`` entries: the average's inverse DCT."""
+        return dense_decoder(self.kernels)(self.parts, self.plan, mode=self.mode, dtype=self.dtype).view(-1)
 
 
 @dataclass

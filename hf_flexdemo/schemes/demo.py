@@ -118,7 +118,7 @@ class DeMoScheme(MomentumScheme):
         if plan.n_tiles == 0:
             return self.empty_update(bucket)
         parts = [self.wire.read(part, plan) for part in received]
-        sparse = SparseCoefficients(plan, parts, self.config.decode, self.momentum(bucket).dtype)
+        sparse = SparseCoefficients(plan, parts, self.config.decode, self.momentum(bucket).dtype, self.config.kernels)
         if self.config.kernels == "triton":  # the sign rule applies it as it is; the others ask for it dense
             return Decoded(bucket, sparse=sparse)
         return Decoded(bucket, sparse.dense())
