@@ -45,7 +45,7 @@ for optim in flexdemo adamw_torch_fused; do
     >"$OUT/trainer_$optim.txt" 2>&1
 done
 
-# The fault-tolerant path on CUDA (torchft's NCCL process group, bf16), as README's fault-tolerant launch
+# The fault-tolerant path on CUDA (torchft's NCCL process group, bf16), as docs/fault-tolerance.md's launch
 # starts a node: the Lighthouse, then one node of flexdemo_ft_node.yaml on this one GPU. One GPU is one node
 # (NCCL refuses two ranks on one device), so the quorum is this node alone; the exit code and the absence of
 # "terminate called" say that it trained, committed and freed torchft's group at exit.
@@ -64,7 +64,7 @@ if python -c "import torchft" 2>/dev/null; then
   echo "exit code $?; terminate called: $(grep -c 'terminate called' "$OUT/ft_node.txt")" >>"$OUT/ft_node.txt"
   kill "$LIGHTHOUSE_PID"
 else
-  echo "torchft is not installed: put its wheel in .whl/ (README, fault-tolerant runs)" >"$OUT/ft_node.txt"
+  echo "torchft is not installed: put its wheel in .whl/ (docs/fault-tolerance.md)" >"$OUT/ft_node.txt"
 fi
 
 # Last, so that a slow machine loses only this: the unit tier on CUDA.

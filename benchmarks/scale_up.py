@@ -2,7 +2,7 @@
 
 Each node is `accelerate launch --config_file accelerate_configs/cpu_ft_node.yaml
 training_scripts/train_t5.py --preset offline` (2 processes) with ``fault_tolerance=torchft``
-and a real ``torchft_lighthouse``, as the README launches them:
+and a real ``torchft_lighthouse``, as docs/fault-tolerance.md launches them:
 
 - **two**: nodes 0 and 1 (``NUM_REPLICA_GROUPS=2``) train ``--steps`` steps;
 - **join**: the job declares 3 nodes (``NUM_REPLICA_GROUPS=3``); nodes 0 and 1 start, node 2

@@ -216,7 +216,7 @@ def _quiet_flattened_mesh_slicing():
     ``mesh["dp_replicate", "dp_shard_cp"]``, a flattened dimension sliced from the root mesh, and
     torch (2.13) warns on every rank that this lookup will go. It still returns the right mesh,
     and once torch drops it the lookup fails loudly; so this one warning is silenced inside
-    ``prepare`` only (README, caveats)."""
+    ``prepare`` only (docs/trainer.md)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=FLATTENED_SLICE_WARNING, category=UserWarning)
         yield

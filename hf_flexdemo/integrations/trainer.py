@@ -143,8 +143,8 @@ def _bf16_on_cpu(original, self, *args, **kwargs):
     """``--bf16`` without an accelerator trains in bf16 on the CPU instead of failing on every process.
 
     transformers refuses ``bf16`` without a bf16 GPU unless ``use_cpu`` is set ("Your setup doesn't
-    support bf16/gpu"), which every process of a launch raises with its traceback; the README's GPU
-    commands carry ``--bf16``. torch autocasts to bf16 on CPU and FSDP2 runs it over gloo, so this
+    support bf16/gpu"), which every process of a launch raises with its traceback; the GPU commands
+    of docs/launching.md carry ``--bf16``. torch autocasts to bf16 on CPU and FSDP2 runs it over gloo, so this
     sets ``use_cpu`` and says so once per machine.
     """
     if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not torch.accelerator.is_available():

@@ -8,7 +8,7 @@
 # The AdamW-HSDP baseline with the same layout: add --optim adamw_torch.
 #
 # MAX_RESTARTS=N restarts every node's workers up to N times after a failure; they resume
-# from the newest complete checkpoint (c10d rendezvous, one store per round: see README).
+# from the newest complete checkpoint (c10d rendezvous, one store per round: see docs/crash-safety.md).
 set -euo pipefail
 : "${MASTER_ADDR:?set MASTER_ADDR to the address of machine 0}"
 : "${NODE_RANK:?set NODE_RANK (0 on machine 0)}"
