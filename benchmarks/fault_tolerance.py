@@ -52,22 +52,37 @@ def free_port() -> int:
 class Launch:
     """One `accelerate launch` whose logged steps are timestamped as they arrive."""
 
-    def __init__(self, config: Path, output_dir: Path, steps: int, env: dict[str, str], optim_args: str, extra=()):
+    def __init__(
+        self,
+        config: Path,
+        output_dir: Path,
+        steps: int,
+        env: dict[str, str],
+        optim_args: str,
+        extra=(),
+        script: Path = SCRIPT,
+        processes: int | None = None,
+        cores: set[int] | None = None,
+    ):
         args = [
             "--preset", "offline", "--max_steps", str(steps), "--logging_steps", "1", "--save_strategy", "no",
-            "--eval_strategy", "no", "--max_eval_samples", "8", "--generation_max_length", "8",
-            "--report_to", "none", "--output_dir", str(output_dir), "--optim_args", optim_args,
-            "--learning_rate", "2e-3", *extra,
+            "--eval_strategy", "no", "--max_eval_samples", "8", "--report_to", "none",
+            "--output_dir", str(output_dir), "--optim_args", optim_args, "--learning_rate", "2e-3", *extra,
         ]  # fmt: skip
+        if script == SCRIPT:
+            args += ["--generation_max_length", "8"]
+        launcher = ["--num_processes", str(processes)] if processes else []
         cmd = [
-            sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-            "--main_process_port", str(free_port()), str(SCRIPT), *args,
+            sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *launcher,
+            "--main_process_port", str(free_port()), str(script), *args,
         ]  # fmt: skip
         base = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
         self.started = time.time()
+        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None  # the launcher and its workers
         self.proc = subprocess.Popen(
-            cmd, env={**base, **env}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+            cmd, env={**base, **env}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            preexec_fn=pin,
+        )  # fmt: skip
         self.steps: list[tuple[float, dict]] = []
         self.tail: list[str] = []
         self.said: list[str] = []  # every "FlexDeMo fault tolerance:" line, in full

@@ -35,11 +35,21 @@ REPLAYABLE_SCHEMES = ("demo", "random", "striding")
 """Schemes whose parameters move by the exchanged update alone, from a compressed payload: a lagging node can
 replay missed steps for less than a copy of the state (``full`` sends every entry: one step is already a copy)."""
 REPLAY_STEPS_DEFAULT = 4
+STALL_WAIT_DEFAULT = 5.0
 JOIN_QUORUM = ("before_forward", "when_ready")
 OUTER_STEP_SCHEMES = ("diloco", "sparseloco")
 """Schemes with DiLoCo's local inner AdamW steps and an outer step every ``inner_steps``."""
 TOPK_SCHEMES = ("demo", "sparseloco")
 """Schemes that send each tile's top-k entries: the ones ``value_bits`` and ``pack_indices`` apply to."""
+WIRE_PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {"topk": 32, "value_bits": 0, "pack_indices": False},
+    "2bit": {"topk": 32, "value_bits": 2, "pack_indices": True},
+    "top24_2bit": {"topk": 24, "value_bits": 2, "pack_indices": True},
+    "top16_2bit": {"topk": 16, "value_bits": 2, "pack_indices": True},
+    "top4_1bit": {"topk": 4, "value_bits": 1, "pack_indices": True},
+}
+"""``wire=NAME``: the measured wire formats, from DeMo's own (fp32 values, 16-bit indices) to the most compressed.
+Their bytes and loss: docs/update-rules.md, "Choosing a wire format"."""
 ROUNDINGS = ("nearest", "stochastic")
 UPDATE_RULES = ("sign", "adam", "orthogonal")
 """How the decoded update becomes a parameter step (:mod:`hf_flexdemo.updates`)."""
@@ -145,6 +155,13 @@ class FlexDeMoConfig:
         default="nearest",
         metadata={"help": "value_bits 2, 4, 8: 'nearest' or 'stochastic' (unbiased) rounding."},
     )
+    wire: str | None = field(
+        default=None,
+        metadata={
+            "help": f"demo: a measured wire format by name, one of {sorted(WIRE_PRESETS)}; it sets topk, value_bits "
+            "and pack_indices (a knob also given must agree with it). Unset: the knobs as given."
+        },
+    )
     pack_indices: bool = field(
         default=False,
         metadata={
@@ -198,6 +215,14 @@ class FlexDeMoConfig:
             "in time for (at most replay_steps old)."
         },
     )
+    stall_wait: float = field(
+        default=STALL_WAIT_DEFAULT,
+        metadata={
+            "help": "torchft: after a stall of its processes (0.5 s or more in which they did not run: stopped, a "
+            "paused VM, a swapping machine), a node asks for its next quorum only once it has run this many seconds "
+            "without one, so that the others do not wait for it inside a round; it then catches up (0: never waits)."
+        },
+    )
     replay_steps: int = field(
         default=REPLAY_STEPS_DEFAULT,
         metadata={
@@ -209,6 +234,7 @@ class FlexDeMoConfig:
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
         _check_choice("scheme", self.scheme, SCHEMES)
+        self._apply_wire_preset()
         self._resolve_rules()
         validate_group(dataclasses.asdict(self), scheme=self.scheme, elementwise_update=self.elementwise_update)
         _check_choice("decode", self.decode, DECODE_MODES)
@@ -257,12 +283,19 @@ class FlexDeMoConfig:
         _check_int("min_replicas", self.min_replicas, low=1)
         _check_float("ft_timeout", self.ft_timeout, low=0.0, low_open=True)
         _check_float("quorum_timeout", self.quorum_timeout, low=0.0, low_open=True)
+        _check_float("stall_wait", self.stall_wait, low=0.0)
         _check_int("replay_steps", self.replay_steps, low=0)
         _check_choice("join_quorum", self.join_quorum, JOIN_QUORUM)
         if self.join_quorum != "before_forward" and not self.fault_tolerant:
             raise ValueError(
                 f"FlexDeMo: join_quorum={self.join_quorum!r} applies to fault_tolerance='torchft' (when a node joins a "
                 "step's quorum), but fault_tolerance is 'off'; drop join_quorum, or set fault_tolerance=torchft."
+            )
+        if self.stall_wait != STALL_WAIT_DEFAULT and not self.fault_tolerant:
+            raise ValueError(
+                f"FlexDeMo: stall_wait={self.stall_wait:g} applies to fault_tolerance='torchft' (when a node that "
+                "stalled asks for its next quorum), but fault_tolerance is 'off'; drop stall_wait, or set "
+                "fault_tolerance=torchft."
             )
         if self.replay_steps != REPLAY_STEPS_DEFAULT and not self.fault_tolerant:
             raise ValueError(
@@ -285,6 +318,27 @@ class FlexDeMoConfig:
         _check_int("inner_steps", self.inner_steps, low=1)
         _check_float("outer_lr", self.outer_lr, low=0.0)
         _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
+
+    def _apply_wire_preset(self) -> None:
+        """``wire=NAME`` sets its knobs; one also given with another value than the preset's is refused (a knob at
+        its default counts as not given)."""
+        if self.wire is None:
+            return
+        _check_choice("wire", self.wire, tuple(WIRE_PRESETS))
+        if self.scheme != "demo":
+            raise ValueError(
+                f"FlexDeMo: wire={self.wire!r} names a format of scheme='demo', not scheme={self.scheme!r}; drop wire, "
+                "or set the scheme's own knobs (topk, value_bits, pack_indices)."
+            )
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key, value in WIRE_PRESETS[self.wire].items():
+            given = getattr(self, key)
+            if given != defaults[key] and given != value:
+                raise ValueError(
+                    f"FlexDeMo: wire={self.wire!r} sets {key}={value}, but {key}={given} is given too; drop {key} to "
+                    f"use the preset, or drop wire and set topk, value_bits and pack_indices yourself."
+                )
+            setattr(self, key, value)
 
     def _resolve_rules(self) -> None:
         """``update=None`` becomes the scheme's rule; ``elementwise_update=None`` the default one."""
@@ -398,6 +452,13 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
         if key not in known:
             raise ValueError(_unknown_key_message(key, raw))
         values[key] = _parse_value(key, raw, known[key].default)
+    preset = WIRE_PRESETS.get(values.get("wire"), {})
+    for key, value in values.items():  # given in the text: refused even at its default, unlike FlexDeMo(...)'s
+        if key in preset and value != preset[key]:
+            raise ValueError(
+                f"FlexDeMo optim_args: wire={values['wire']} sets {key}={preset[key]}, but {key}={value} is given too; "
+                f"drop {key} to use the preset, or drop wire and set topk, value_bits and pack_indices yourself."
+            )
     return values
 
 

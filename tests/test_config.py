@@ -46,6 +46,8 @@ BAD = [
     (dict(fault_tolerance="torchft", join_quorum="late"), "join_quorum='late'", "'before_forward', 'when_ready'"),
     (dict(join_quorum="when_ready"), "join_quorum='when_ready'", "fault_tolerance=torchft"),
     (dict(replay_steps=8), "replay_steps=8", "fault_tolerance=torchft"),
+    (dict(fault_tolerance="torchft", stall_wait=-1.0), "stall_wait=-1.0", "[0.0, inf)"),
+    (dict(stall_wait=2.0), "stall_wait=2", "fault_tolerance=torchft"),
     (dict(scheme="diloco", fault_tolerance="torchft", replay_steps=8), "replay_steps=8", "Drop replay_steps"),
 ]
 
@@ -152,3 +154,23 @@ def test_a_fraction_with_a_zero_denominator_is_refused_clearly():
 def test_a_summary_lists_the_settings_that_act(kwargs, acting, ignored):
     keys = FlexDeMoConfig(**kwargs).acting_settings()
     assert set(acting) <= set(keys) and not set(ignored) & set(keys), keys
+
+
+def test_a_wire_preset_sets_its_knobs_and_refuses_a_knob_that_disagrees():
+    from hf_flexdemo.config import WIRE_PRESETS, parse_optim_args
+
+    for name, knobs in WIRE_PRESETS.items():
+        config = FlexDeMoConfig.from_optim_args(f"wire={name}")
+        assert {key: getattr(config, key) for key in knobs} == knobs
+    assert FlexDeMoConfig(wire="2bit", topk=32).topk == 32  # a knob that agrees is fine
+    with pytest.raises(ValueError, match=r"wire='top16_2bit' sets topk=16, but topk=24 is given too; drop topk"):
+        FlexDeMoConfig(wire="top16_2bit", topk=24)
+    # In optim_args a knob given at its default is still given: refused, not silently replaced.
+    with pytest.raises(ValueError, match=r"wire=top16_2bit sets topk=16, but topk=32 is given too"):
+        parse_optim_args("wire=top16_2bit,topk=32")
+    with pytest.raises(ValueError, match=r"wire='fast' is invalid; wire must be one of \('demo', '2bit'"):
+        FlexDeMoConfig(wire="fast")
+    with pytest.raises(ValueError, match=r"wire='2bit' names a format of scheme='demo', not scheme='diloco'"):
+        FlexDeMoConfig(wire="2bit", scheme="diloco")
+    opt = FlexDeMo([torch.nn.Parameter(torch.zeros(64, 64))], wire="top4_1bit", elementwise=[])
+    assert opt.param_groups[0]["topk"] == 4 and opt.config.value_bits == 1 and opt.config.pack_indices

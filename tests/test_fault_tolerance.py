@@ -18,6 +18,7 @@ import torch
 from support.ft_nodes import Lighthouse, Node, free_port, wait_until
 
 from hf_flexdemo import FlexDeMo
+from hf_flexdemo.fault_tolerance.timeline import PHASES, RoundClock
 from hf_flexdemo.integrations.checkpoints import MARKER
 from hf_flexdemo.topology import ReplicaTopology, parameter_fingerprint
 
@@ -189,6 +190,8 @@ def test_a_paused_node_catches_up_by_replay_and_copies_the_state_only_when_furth
     moved = re.search(r"replaying their exchanged payloads \(([\d.]+) MB .*would move ([\d.]+) MB\)", log)
     assert float(moved[1]) < float(moved[2]), moved[0]
 
+    # Its processes did not run while frozen: back, it sits out stall_wait before asking for a quorum again.
+    assert re.search(r"node1 stalled for [\d.]+ s \(its processes did not run\); it sits out", log), log[-6000:]
     frozen_while_node0_commits(REPLAY_STEPS + 10)
     assert nodes[1].log().count(copied) == copies + 1, nodes[1].log()[-6000:]
     finish(nodes)
@@ -241,10 +244,15 @@ def test_a_slow_node_that_joins_when_ready_is_left_out_catches_up_and_contribute
     assert re.search(r"node2 missed \d+ committed step\(s\) and catches up by replaying", log), log[-6000:]
     assert log.count("catches up by replaying") == 1  # said once; the rest in the summary
     assert re.search(r"behind and caught up: \d+ catch-up\(s\) by replay", log), log[-3000:]
-    assert not any("ended in a quorum of" in node.log() for node in nodes)  # no node ends on its own last step
+    assert not any("cannot tell whether" in node.log() for node in nodes)  # every node knows they ended alike
     results = [node.result(0) for node in nodes]
     assert len({r["fingerprint"] for r in results}) == 1, "the nodes end with different parameters"
     assert all(r["global_step"] == 200 for r in results)
+    # Each logged step says where the node's seconds went in its rounds: the fast nodes waited for quorums and
+    # exchanged every step, and served node 2's catch-ups.
+    seconds = results[0]["round_seconds"]
+    assert seconds and all(set(logged) == set(PHASES) for logged in seconds), seconds[:2]
+    assert all(sum(logged[phase] for logged in seconds) > 0 for phase in ("quorum", "exchange", "commit", "serve"))
 
 
 @pytest.mark.faults
@@ -553,6 +561,7 @@ class OneReplicaQuorum:
         self.step = self.steps_before_quorum = 0  # committed steps, as torchft counts them
         self.finished = False  # whether the node (or the peer it healed from) finished training
         self.behind_at_close = False
+        self.clock = RoundClock()
 
     def agree_on_finished(self) -> bool:
         return self.finished
@@ -737,10 +746,16 @@ def test_a_node_that_missed_steps_replays_their_payloads_and_ends_bitwise_equal(
     assert [step.committed for step in node._replay._steps][-2:] == [missed[-1], missed[-1] + 1]  # it serves on
 
 
+ENCODES_FIRST = dict(scheme="demo", value_bits=2)
+"""DeMo with deterministic rounding: a node that joins when ready encodes its payload before asking for a quorum
+(stochastic rounding draws by the quorum's step and rank, so it encodes after joining)."""
+
+
 @pytest.mark.unit
-def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_past_the_end():
+@pytest.mark.parametrize("settings", [REPLAYED["demo"], ENCODES_FIRST], ids=["joins_first", "encodes_first"])
+def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_past_the_end(settings):
     """The closing round: the peer finished training; the node's step catches up and sends nothing."""
-    peer, node, peer_params, mine = lagging_pair(REPLAYED["demo"] | {"join_quorum": "when_ready"})
+    peer, node, peer_params, mine = lagging_pair(settings | {"join_quorum": "when_ready"})
     node.load_replica_state(peer.replica_state())
     node._managed.step = peer._managed.step
     node._managed.finished = True  # what the finished peer serves under ROUND_STATE_KEY
@@ -756,9 +771,10 @@ def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("settings", [REPLAYED["demo"], ENCODES_FIRST], ids=["stochastic", "nearest"])
 @pytest.mark.parametrize("join_quorum", ["before_forward", "when_ready"])
-def test_a_gradient_taken_before_a_catch_up_counts_only_for_a_node_that_joins_when_ready(join_quorum):
-    peer, node, _, mine = lagging_pair(REPLAYED["demo"] | {"join_quorum": join_quorum})
+def test_a_gradient_taken_before_a_catch_up_counts_only_for_a_node_that_joins_when_ready(join_quorum, settings):
+    peer, node, _, mine = lagging_pair(settings | {"join_quorum": join_quorum})
     node.load_replica_state(peer.replica_state())
     node._managed.step = peer._managed.step
     decay = node.param_groups[0]["decay"]
@@ -770,6 +786,64 @@ def test_a_gradient_taken_before_a_catch_up_counts_only_for_a_node_that_joins_wh
     # with it, lr * DCT(g) moves nearly every entry.
     moved = [torch.count_nonzero(node.state[p]["momentum_dct"] - d) / d.numel() for p, d in zip(mine, decayed)]
     assert (join_quorum == "when_ready") == (min(moved) > 0.5), moved
+
+
+@pytest.mark.unit
+def test_a_node_that_encodes_first_and_heals_as_it_joins_steps_at_the_quorums_learning_rate():
+    """Its payload was encoded at its own rate; the heal in its join brings the peers' (a scheduler ahead), and
+    the step applies, decays and logs for replay at that one, as every node of the quorum does."""
+    peer, node, peer_params, mine = lagging_pair(ENCODES_FIRST | {"join_quorum": "when_ready"})
+    served, begin = peer.replica_state(), node._managed.begin
+
+    def heal_while_joining() -> bool:
+        node.load_replica_state(served)
+        node._managed.step = peer._managed.step
+        begin()
+        return True
+
+    node._managed.begin = heal_while_joining
+    assert node.param_groups[0]["lr"] != peer.param_groups[0]["lr"]
+    applied = []
+    apply_rules = node._apply_rules
+    node._apply_rules = lambda batch, ctx: applied.append({d.bucket.group["lr"] for d in batch}) or apply_rules(batch, ctx)
+    for p, g in zip(mine, _grads(9, mine)):
+        p.grad = g
+    node.step()
+    lr = peer.param_groups[0]["lr"]
+    assert applied[-1] == {lr}, (applied, lr)  # after the replayed steps, each at its own rate
+    assert node._replay._steps[-1].groups[0]["lr"] == lr  # what a peer of this node would replay
+
+
+@pytest.mark.unit
+def test_a_node_that_joins_when_ready_encodes_first_and_steps_exactly_as_one_that_joins_first():
+    """when_ready: DeMo's payload is ready before the node asks for its quorum, so a node stalled while encoding
+    holds nobody; the step is the same, bit for bit, as joining first (which before_forward does)."""
+    order: dict[str, list[str]] = {}
+    results = {}
+    for join_quorum in ("before_forward", "when_ready"):
+        params = _wide_params()
+        opt = FlexDeMo(params, lr=0.05, weight_decay=0.1, topk=4, chunk=16, fault_tolerance="torchft",
+                       join_quorum=join_quorum, **ENCODES_FIRST)  # fmt: skip
+        managed = OneReplicaQuorum([True] * 10)
+        opt.attach_managed(managed)
+        events = order.setdefault(join_quorum, [])
+        begin, local_step = managed.begin, opt.scheme.local_step
+        managed.begin = lambda _b=begin, _e=events: _e.append("join") or _b()
+        opt.scheme.local_step = lambda bucket, ctx, _f=local_step, _e=events: _e.append("encode") or _f(bucket, ctx)
+        for step in range(4):
+            for p, g in zip(params, _grads(step, params)):
+                p.grad = g
+            events.append("step")
+            opt.step()
+        results[join_quorum] = [p.detach().clone() for p in params], copy_state(opt)
+    # The first step creates the state after joining; from then on a node that joins when ready encodes first
+    # (every bucket, then the join).
+    collapsed = {name: [event for event, _ in itertools.groupby(events)] for name, events in order.items()}
+    assert collapsed["before_forward"] == ["step", "join", "encode"] * 4
+    assert collapsed["when_ready"] == ["step", "join", "encode"] + ["step", "encode", "join"] * 3
+    (first, first_state), (ready, ready_state) = results.values()
+    assert all(torch.equal(a, b) for a, b in zip(first, ready))
+    assert first_state == ready_state
 
 
 @pytest.mark.unit

@@ -197,15 +197,21 @@ def test_the_summary_tells_how_the_quorum_grew_and_shrank():
     assert story.endswith("shrank to 2 after 200 (node2 left); 205 committed steps in all")
 
 
-def test_a_node_that_ends_in_a_smaller_quorum_than_it_trained_with_says_its_model_may_lag():
+def test_a_node_warns_at_the_end_only_about_nodes_it_cannot_vouch_for():
     from hf_flexdemo.fault_tolerance import NodeIdentity
     from hf_flexdemo.fault_tolerance.closing import ending_note
 
     name = NodeIdentity("http://127.0.0.1:1", 2, 3).name
     three = (0, ("node0", "node1", "node2"))
+    # Its last quorum lost node0 and node1, and nothing says they ended on its model.
     note = ending_note(name, [three, (68, ("node2",))], step=69, behind_at_close=False)
-    assert "node2 ended in a quorum of 1 node(s) (node2) from 68 committed steps on, without node0, node1" in note
-    assert "take the job's final model from a node of the largest last quorum" in note and "69 committed" in note
+    assert "node2 cannot tell whether node0, node1 ended on its model" in note
+    assert "from 68 committed steps on: node2; 69 committed steps here" in note
+    # They finished in a closing round after the job's last step, whose nodes compared checksums: no warning.
+    assert ending_note(name, [three, (68, ("node2",))], 69, False, frozenset({"node0", "node1", "node2"})) == ""
+    # Only the one it cannot vouch for is named; the nodes of its last quorum committed its last round with it.
+    note = ending_note(name, [three, (60, ("node1", "node2"))], 69, False, frozenset({"node1", "node2"}))
+    assert "whether node0 ended" in note
     assert ending_note(name, [three], step=70, behind_at_close=False) == ""
     # Its last round did not commit, and the nodes that finished had left: it says it is behind.
     assert "node2 ended training behind the others" in ending_note(name, [three], step=69, behind_at_close=True)

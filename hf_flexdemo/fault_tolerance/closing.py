@@ -44,6 +44,7 @@ class JobEnd:
         self._finished_nodes: set[str] = set()  # nodes known to have finished training
         self.behind_at_close = False
         """Whether this node's last closing round failed to commit: it has not caught up yet."""
+        self._closed = False  # whether close() ran to its end since training started
         manager.register_state_dict_fn(ROUND_STATE_KEY, self._take_round, self._serve_round)
 
     def _serve_round(self) -> dict[str, Any]:
@@ -56,8 +57,17 @@ class JobEnd:
 
     def start_training(self) -> None:
         """A new training run in this process (a second ``train()``): its rounds train again."""
-        self.finished, self._final_step, self.behind_at_close = False, 0, False
+        self.finished, self._final_step, self.behind_at_close, self._closed = False, 0, False, False
         self._finished_nodes.clear()
+
+    @property
+    def ended_alike(self) -> frozenset[str]:
+        """The nodes known to end on this node's model, once it has closed: those of its last committed round,
+        and those that finished in a round after the job's last step (a closing round commits only where its
+        nodes' checksums agree). Empty before :meth:`close` or while behind."""
+        if not self._closed or self.behind_at_close:
+            return frozenset()
+        return frozenset(self._finished_nodes)
 
     def joined(self) -> None:
         """After joining a round: a late node that healed from one that finished has finished too."""
@@ -120,6 +130,7 @@ class JobEnd:
                         ", ".join(training),
                         self._config.quorum_timeout,
                     )
+                self._closed = True
                 return
 
     def _closing_action(self, deadline: float) -> tuple[str, list[str]]:
@@ -144,12 +155,21 @@ class JobEnd:
         return decision[0]
 
 
-def ending_note(name: str, membership: list[tuple[int, tuple[str, ...]]], step: int, behind_at_close: bool) -> str:
-    """A warning when node ``name``'s last quorum held fewer nodes than it trained with ("" otherwise).
+def ending_note(
+    name: str,
+    membership: list[tuple[int, tuple[str, ...]]],
+    step: int,
+    behind_at_close: bool,
+    ended_alike: frozenset[str] = frozenset(),
+) -> str:
+    """A warning when node ``name`` cannot tell that it ended on the same model as every node it trained with
+    ("" otherwise).
 
-    Nodes that finished (or left) while this one was late committed steps it never saw: its final
-    parameters may then differ from theirs. ``membership``: the quorums' history (see
-    :attr:`~.membership.Membership.history`); ``step``: the committed steps now.
+    ``membership``: the quorums' history (see :attr:`~.membership.Membership.history`); ``step``: the committed
+    steps now; ``ended_alike``: more nodes known to hold this node's final model (:attr:`JobEnd.ended_alike`: they
+    finished in a round after the job's last step, whose nodes compare checksums), beside those of its last quorum,
+    which committed its last round with it. Only the nodes it trained with and cannot vouch for are named: those
+    that left, or finished while it was late.
     """
     if behind_at_close:
         return (
@@ -159,17 +179,17 @@ def ending_note(name: str, membership: list[tuple[int, tuple[str, ...]]], step: 
         )
     if not membership:
         return ""
-    largest = max(membership, key=lambda seen: len(seen[1]))[1]
     changed_at, last = membership[-1]
-    if len(last) >= len(largest):
+    trained_with = sorted({node for _, nodes in membership for node in nodes} - {name})
+    unknown = [node for node in trained_with if node not in ended_alike and node not in last]
+    if not unknown:
         return ""
-    gone = ", ".join(node for node in largest if node not in last)
     return (
-        f"FlexDeMo fault tolerance: {name} ended in a quorum of {len(last)} node(s) "
-        f"({', '.join(last)}) from {changed_at} committed steps on, without {gone}, who trained with it before. If "
-        f"they finished while it was late, the nodes' last steps differ: take the job's final model from a node of "
-        f"the largest last quorum (each node's summary line 'quorum of live nodes' says its own; {step} committed "
-        "steps here)."
+        f"FlexDeMo fault tolerance: {name} cannot tell whether {', '.join(unknown)} ended on its model: they "
+        f"trained with it, but did not finish with it (its last quorum, from {changed_at} committed steps on: "
+        f"{', '.join(last)}; {step} committed steps here). A node that left, or finished while another was late, "
+        "may hold other parameters: take the job's final model from a node whose summary line 'quorum of live "
+        "nodes' ends in the largest quorum."
     )
 
 

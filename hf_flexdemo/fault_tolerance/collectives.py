@@ -13,13 +13,14 @@ import torch
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
 from ..topology import ReplicaTopology
+from .timeline import RoundClock
 
 
 class QuorumGroup:
     """torchft's process group of the current quorum, whose failures the manager hears of."""
 
-    def __init__(self, manager, group, device: torch.device):
-        self._manager, self._group, self.device = manager, group, device
+    def __init__(self, manager, group, device: torch.device, clock: RoundClock):
+        self._manager, self._group, self.device, self._clock = manager, group, device, clock
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor) -> _ReportedWork:
         if self._manager.errored():
@@ -27,11 +28,12 @@ class QuorumGroup:
         size = output.numel() // max(tensor.numel(), 1)
         parts = list(output.view(size, -1).unbind(0)) if tensor.numel() else [output] * size
         try:
-            work = self._group.allgather([parts], [tensor.view(-1)], AllgatherOptions())
+            with self._clock.timing("exchange"):
+                work = self._group.allgather([parts], [tensor.view(-1)], AllgatherOptions())
         except Exception as e:
             self._manager.report_error(e)
             return _ReportedWork(None, self._manager)
-        return _ReportedWork(work, self._manager)
+        return _ReportedWork(work, self._manager, self._clock)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> _ReportedWork:
         if self._manager.errored():
@@ -39,11 +41,12 @@ class QuorumGroup:
         options = AllreduceOptions()
         options.reduceOp = ReduceOp.SUM
         try:
-            work = self._group.allreduce([tensor], options)
+            with self._clock.timing("exchange"):
+                work = self._group.allreduce([tensor], options)
         except Exception as e:
             self._manager.report_error(e)
             return _ReportedWork(None, self._manager)
-        return _ReportedWork(work, self._manager)
+        return _ReportedWork(work, self._manager, self._clock)
 
     def fingerprints_of_leaders(self, fingerprint: torch.Tensor, size: int, step: int) -> list[int]:
         """The checksums of the ``size`` nodes that committed the most steps (``step``: this node's count), or
@@ -64,14 +67,15 @@ class QuorumGroup:
 class _ReportedWork:
     """A collective whose failure is reported to the manager (the step will not commit) instead of raised."""
 
-    def __init__(self, work, manager):
-        self._work, self._manager = work, manager
+    def __init__(self, work, manager, clock: RoundClock | None = None):
+        self._work, self._manager, self._clock = work, manager, clock
 
     def wait(self) -> None:
         if self._work is None:
             return
         try:
-            self._work.wait()
+            with self._clock.timing("exchange"):
+                self._work.wait()
         except Exception as e:  # a peer died or timed out mid-exchange
             self._manager.report_error(e)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from .lighthouse import read_lighthouse
 from .node import FaultToleranceError, NodeIdentity
+from .timeline import RoundClock
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +26,8 @@ NODE_STATE_KEY = "flexdemo_node"
 class Healing:
     """The state this node serves to healing peers and takes from one, and its account of each heal."""
 
-    def __init__(self, manager, identity: NodeIdentity, rank: int):
-        self._manager, self._identity, self._rank = manager, identity, rank
+    def __init__(self, manager, identity: NodeIdentity, rank: int, clock: RoundClock):
+        self._manager, self._identity, self._rank, self._clock = manager, identity, rank, clock
         self._state_fns: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self._describers: dict[str, Callable[[], Any]] = {}
         self.healed = False
@@ -46,7 +47,8 @@ class Healing:
         self._state_fns[key] = (state, load)
 
     def _serve(self, key: str) -> Any:
-        return self._state_fns[key][0]()
+        with self._clock.timing("serve"):
+            return self._state_fns[key][0]()
 
     def _load(self, key: str, value: Any) -> None:
         try:

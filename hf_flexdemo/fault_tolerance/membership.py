@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 from .lighthouse import node_of
 
@@ -31,10 +32,13 @@ class QuorumWatch:
         self._client = manager._client
         self.members: tuple[str, ...] = ()
         """Node names of the latest quorum, sorted (empty before the first)."""
+        self.answered_at = 0.0
+        """``time.perf_counter()`` when the Lighthouse last answered (the round's process group and heal follow)."""
         manager._client = self
 
     def _quorum(self, *args, **kwargs):
         quorum = self._client._quorum(*args, **kwargs)
+        self.answered_at = time.perf_counter()
         self.members = tuple(sorted(node_of(replica) for replica in quorum.replica_ids))
         return quorum
 
@@ -57,6 +61,11 @@ class Membership:
     def members(self) -> tuple[str, ...]:
         """Node names of the latest quorum, sorted (empty before the first)."""
         return self._watch.members
+
+    @property
+    def answered_at(self) -> float:
+        """``time.perf_counter()`` when the Lighthouse last answered."""
+        return self._watch.answered_at
 
     def note(self, previous: tuple[str, ...]) -> None:
         """One line when the quorum's nodes changed from ``previous``: who left or joined, and the steps undone

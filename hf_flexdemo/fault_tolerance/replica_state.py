@@ -190,7 +190,7 @@ class ReplicaState:
         """Settings and shapes every node must share, compared when a node first meets the others."""
         # Each node's own: they change nothing the others compute. join_quorum is not: nodes that join when
         # ready skip the rounds of synchronize(), which the others would wait in.
-        local_only = ("ft_timeout", "quorum_timeout", "replay_steps")
+        local_only = ("ft_timeout", "quorum_timeout", "replay_steps", "stall_wait")
         settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in local_only}
         if settings.get("update") == "orthogonal" and settings["ns_dtype"] == "auto":  # by device: may differ
             dtype = newton_schulz_dtype("auto", local_tensor(self._ordered_params()[0]).device)
@@ -203,14 +203,15 @@ class ReplicaState:
             "processes_per_node": dist.get_world_size() if dist.is_initialized() else 1,
         }
 
-    def _snapshot(self, buckets: list[Bucket], undo_step: bool) -> list:
+    def _snapshot(self, buckets: list[Bucket], undo_step: bool, with_params: bool = True) -> list:
         """Copies of what a step changes before its exchange, to undo it: the step counts, the state the
-        scheme's local maths changes, and the parameters where weight decay or local steps move them."""
+        scheme's local maths changes, and (``with_params``) the parameters where weight decay or local steps
+        move them."""
         saved = []
         for bucket in buckets:
             tensors = {k: bucket.buffers[k].clone() for k in self.scheme.local_keys if k in bucket.buffers}
             tensors["step"] = bucket.buffers["step"] - (1 if undo_step else 0)  # the counts already moved on
-            moved = self.scheme.moves_parameters_locally or bucket.group["weight_decay"] != 0
+            moved = with_params and (self.scheme.moves_parameters_locally or bucket.group["weight_decay"] != 0)
             saved.append((bucket, bucket.stacked_params() if moved else None, tensors))
         return saved
 
@@ -221,4 +222,16 @@ def restore(saved: list) -> None:
             bucket.copy_to_params(params)
         for key, value in tensors.items():
             bucket.buffers[key].copy_(value)
+        bucket.carried = None
+
+
+def undo_local_step(saved: list) -> None:
+    """Undo a training step's local maths after a heal that replayed steps (they moved the step counts on:
+    one step is taken back from them, and the scheme's local state is restored)."""
+    for bucket, _, tensors in saved:
+        for key, value in tensors.items():
+            if key == "step":
+                bucket.buffers["step"].sub_(1)
+            else:
+                bucket.buffers[key].copy_(value)
         bucket.carried = None

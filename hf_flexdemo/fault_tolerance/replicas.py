@@ -9,7 +9,10 @@ collectives (:mod:`.collectives`).
 from __future__ import annotations
 
 import atexit
+import logging
+import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +26,13 @@ from .healing import Healing
 from .membership import Membership, membership_story
 from .node import NodeIdentity, import_torchft, start_manager
 from .quorum import StepQuorum
+from .stalls import StallWatch
+from .timeline import RoundClock
+
+logger = logging.getLogger(__name__)
+
+QUORUM_WAITS_KEPT = 1000
+"""Rounds whose quorum wait the run summary describes (the latest)."""
 
 
 class ManagedReplicas:
@@ -43,15 +53,21 @@ class ManagedReplicas:
         self.identity = identity or NodeIdentity.from_env(config.min_replicas)
         self.device = torch.device(device or "cpu")
         rank = dist.get_rank() if dist.is_initialized() else 0
+        self._rank = rank
         self.manager, group, self._store = start_manager(torchft, config, self.identity, self.device)
         self._shut_down = False
+        self.clock = RoundClock()
+        """Seconds this process spent in each phase of its quorum rounds (:mod:`.timeline`)."""
+        self._stalls = StallWatch().start() if config.stall_wait > 0 else None
+        self._sat_out: list[float] = []  # seconds of each sit-out after a stall
+        self._quorum_waits: deque[float] = deque(maxlen=QUORUM_WAITS_KEPT)  # seconds from asking to the answer
         atexit.register(_shut_down_at_exit, weakref.ref(self))
         # The healing node receives the peer's settings first (checked before anything loads), then its round.
-        self._healing = Healing(self.manager, self.identity, rank)
+        self._healing = Healing(self.manager, self.identity, rank, self.clock)
         self._end = JobEnd(self.manager, self.identity, config, rank, self.device)
         self._members = Membership(self.manager, self.identity.name, rank)
         self._quorum = StepQuorum(self.manager, self.identity, config, rank)
-        self._group = QuorumGroup(self.manager, group, self.device)
+        self._group = QuorumGroup(self.manager, group, self.device, self.clock)
         self.steps_before_quorum = 0
         """The committed steps this node held when it asked for the current quorum (before any heal)."""
 
@@ -61,14 +77,67 @@ class ManagedReplicas:
         """Join this step's quorum (no-op if open); returns True if this call copied a peer's state."""
         if self._quorum.round_open:
             return False
+        self._sit_out_after_stall()
         self._healing.start_round()
         self.steps_before_quorum = self.manager.current_step()
         previous = self._members.members
-        self._quorum.join()
+        asked = time.perf_counter()
+        try:
+            self._quorum.join()
+        finally:
+            self._time_join(asked)
         self._members.note(previous)
         self._end.joined()
         self._quorum.check_job_state()
         return self._healing.say_healed()
+
+    def _sit_out_after_stall(self) -> None:
+        """A node whose processes stalled lately asks for its quorum only once it runs steadily (:mod:`.stalls`)."""
+        watch = self._stalls
+        if watch is None or self._end.finished or watch.steady_for() >= self.config.stall_wait:
+            return
+        if not self._sat_out and self._rank == 0:
+            logger.warning(
+                "FlexDeMo fault tolerance: %s stalled for %.1f s (its processes did not run); it sits out until it has "
+                "run stall_wait=%g s without a stall, so that the others do not wait for it inside a round, then "
+                "catches up. Later sit-outs are counted in the run summary.",
+                self.identity.name,
+                watch.stalls[-1],
+                self.config.stall_wait,
+            )
+        waited = watch.wait_until_steady(self.config.stall_wait)
+        self._sat_out.append(waited)
+        self.clock.add("sit_out", waited)
+
+    def stall_story(self) -> str:
+        """The sit-outs after stalls of this process, in one line ("" if none)."""
+        if not self._sat_out:
+            return ""
+        return (
+            f"{len(self._sat_out)} sit-out(s) after stalls, {sum(self._sat_out):.1f} s in all (the longest stall: "
+            f"{max(self._stalls.stalls):.1f} s)"
+        )
+
+    def quorum_wait_story(self) -> str:
+        """How long this node waited for its training rounds' quorums, in one line ("" if it met none)."""
+        if not self._quorum_waits:
+            return ""
+        waits = sorted(self._quorum_waits)
+        median, p95 = waits[len(waits) // 2], waits[min(len(waits) - 1, int(0.95 * len(waits)))]
+        return (
+            f"median {median * 1e3:.0f} ms, 95th percentile {p95 * 1e3:.0f} ms over the last {len(waits)} rounds (a "
+            "node that waits long is early: the others arrive that much later; a Lighthouse --join_timeout_ms below "
+            "the healthy nodes' spread leaves some out when none is slow)"
+        )
+
+    def _time_join(self, asked: float) -> None:
+        """Split the join's seconds at the Lighthouse's answer: the wait for the quorum, then the group and heal."""
+        joined, answered = time.perf_counter(), self._members.answered_at
+        answered = answered if asked <= answered <= joined else joined
+        self.clock.add("quorum", answered - asked)
+        if not self._end.finished:
+            self._quorum_waits.append(answered - asked)
+        self.clock.add("heal", joined - answered)
 
     @property
     def round_open(self) -> bool:
@@ -80,7 +149,8 @@ class ManagedReplicas:
 
         ``trained``: whether the round trained a step (not a round of ``synchronize()`` or a closing one), for the
         samples it counts."""
-        committed = self._quorum.commit(trained)
+        with self.clock.timing("commit"):
+            committed = self._quorum.commit(trained)
         if not committed:
             self._members.undone += 1
         return committed
@@ -200,8 +270,8 @@ class ManagedReplicas:
             self._end.close(self.begin, closing_round, self._members.members, self._quorum.uncommitted > 0)
 
     def ending_note(self) -> str:
-        """A warning when this node's last quorum held fewer nodes than it trained with ("" otherwise)."""
-        return ending_note(self.identity.name, self.membership, self.step, self.behind_at_close)
+        """A warning when this node cannot tell that every node it trained with ended on its model ("" otherwise)."""
+        return ending_note(self.identity.name, self.membership, self.step, self.behind_at_close, self._end.ended_alike)
 
     # -- who is live -----------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from ..dtensor_utils import local_tensor
 from ..topology import ReplicaTopology
 from .closing import ClosingRounds
 from .replay import LoggedStep, ReplayLog
-from .replica_state import ReplicaState, restore
+from .replica_state import ReplicaState, restore, undo_local_step
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,55 @@ class QuorumRounds(ClosingRounds, ReplicaState):
         """
         if self._managed is not None and self.config.join_quorum == "before_forward":
             self._managed.begin()
+
+    def _payload_before_quorum(self, sync_only: bool) -> bool:
+        """Whether this training step computes its payload before asking for its quorum.
+
+        With ``join_quorum='when_ready'`` a node asks once its payload is ready, so that once the quorum
+        forms it holds its partners only for the heal and the exchange: a node that stalls while encoding
+        would hold them in the collective. DeMo's local maths reads only the step's ``replicate`` flag,
+        which is checked against the quorum's once joined (other schemes read the quorum's step or rank).
+        """
+        return (
+            not sync_only
+            and self._managed is not None
+            and self.config.join_quorum == "when_ready"
+            and self.config.scheme == "demo"
+            and self.config.rounding != "stochastic"
+            and not self.config.overlap
+            and not self._managed.round_open
+            and any(self.state.values())
+        )
+
+    def _run_payload_first(self) -> bool:
+        """A training step that encodes, then joins its quorum and exchanges (see :meth:`_payload_before_quorum`).
+
+        The momentum takes this node's gradient at this node's learning rate, before a catch-up moves the
+        hyperparameters on (the exchanged update is applied at the quorum's, as on every node). If the quorum
+        turns out to need another payload (its step would not replicate, or a heal copied a peer's state),
+        the encoding is undone and the step runs as it would have after joining.
+        """
+        buckets = self._bucketed()
+        self._count_step(buckets)
+        stepping = [bucket.for_step(None) for bucket in buckets]
+        undo = self._snapshot(stepping, undo_step=True, with_params=False)  # decay waits for the commit
+        assumed = self._context(self._steps_taken() + self._steps_to_replay(), False, self.topology)
+        payloads, grad_bytes = self._local_steps(stepping, assumed, False, drop_gradient=False)
+        joined = self._enter_round(False)
+        if joined is None:  # the job finished meanwhile: this gradient would be a step past its end
+            undo_local_step(undo)
+            self._book.host_step = None
+            return False
+        ctx = self._context(self._steps_taken() + self._steps_to_replay(), False, self.topology)
+        if joined.drop_gradient or ctx.replicate != assumed.replicate:
+            if not joined.drop_gradient:  # (a heal that copied a peer's state replaced the encoding with the rest)
+                undo_local_step(undo)
+            self._book.host_step = None  # the step counts went back, or are the peer's
+            return self._run_in_round(joined, False)
+        for moving, bucket in zip(stepping, buckets):  # the quorum's hyperparameters: a heal may have moved them on
+            moving.group = dict(bucket.group)
+        self._exchange(stepping, payloads, grad_bytes, ctx, self.topology, undo, True, True)
+        return ctx.replicate
 
     def _enter_round(self, sync_only: bool) -> StepRound | None:
         """How this step meets the quorum, joining its round if ``begin_step()`` did not; None: nothing to run.
@@ -147,7 +196,8 @@ class QuorumRounds(ClosingRounds, ReplicaState):
             restore(undo)  # the step did not happen, on this node or any other
             self._book.host_step = None  # the step counts went back: read them again
             return False
-        self._catch_up()
+        with self._managed.clock.timing("catch_up"):
+            self._catch_up()
         return True
 
     def _empty_round(self) -> bool:
@@ -155,6 +205,7 @@ class QuorumRounds(ClosingRounds, ReplicaState):
         managed = self._managed
         if not managed.commit(trained=False):
             return False
-        self._catch_up()
+        with managed.clock.timing("catch_up"):
+            self._catch_up()
         self._replay.record(LoggedStep(managed.step, None, [], [], [], trained=False))
         return True

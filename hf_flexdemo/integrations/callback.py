@@ -18,7 +18,9 @@
   steps and the rounds that synchronize before saves, evaluations and the end of training),
   ``flexdemo/samples_per_step`` (samples the last quorum's step trained on, over all its
   nodes: it rises as nodes join) and ``flexdemo/committed_samples`` (samples of every node in
-  the steps this node committed since its process started).
+  the steps this node committed since its process started), and the seconds per step this
+  process spent in each phase of its quorum rounds, ``flexdemo/seconds_quorum``, ``_heal``,
+  ``_exchange``, ``_commit``, ``_catch_up`` and ``_serve`` (see :mod:`hf_flexdemo.fault_tolerance.timeline`).
 - **Checks replicas** at every logging step (and every ``check_every`` steps, if set):
   replicas that should hold the same parameters are compared by checksum, and training
   stops with an error if they drifted.
@@ -60,6 +62,8 @@ class FlexDeMoCallback(TrainerCallback):
         self._optimizer: FlexDeMo | None = None
         self._node_group = None
         self._last = None  # (global_step, totals) at the last log
+        self._last_clock: dict[str, float] = {}  # fault tolerance: cumulative seconds per round phase at the last log
+        self._steps_run = 0  # steps this process ran since the last log (a heal can move global_step further)
         self._pending: dict[str, float] = {}
         self._node_samples = 0  # samples one node trains on per step (all its processes, accumulation included)
         self.figures: dict[str, float] = {}
@@ -112,6 +116,7 @@ class FlexDeMoCallback(TrainerCallback):
         if state.is_world_process_zero:
             logger.info("FlexDeMo: %d replica(s), scheme=%r, %s", topo.size, opt.config.scheme, opt.config)
         self._last = (state.global_step, self._node_totals())
+        self._last_clock = opt.managed.clock.totals() if opt.managed is not None else {}
         self._node_samples = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
 
     # -- every step ----------------------------------------------------------------------
@@ -125,6 +130,7 @@ class FlexDeMoCallback(TrainerCallback):
         opt = self._optimizer
         if opt is None:
             return
+        self._steps_run += 1
         if control.should_save or control.should_evaluate or state.global_step >= state.max_steps:
             # Saves, evaluations and the final model see every update (overlap) and, for
             # DiLoCo, the replicas' average.
@@ -198,5 +204,10 @@ class FlexDeMoCallback(TrainerCallback):
             figures["flexdemo/committed_steps"] = replicas.step
             figures["flexdemo/samples_per_step"] = replicas.topology().size * self._node_samples
             figures["flexdemo/committed_samples"] = replicas.committed_node_steps * self._node_samples
+            clock, ran = replicas.clock.totals(), max(self._steps_run, 1)
+            for phase, seconds in clock.items():
+                figures[f"flexdemo/seconds_{phase}"] = (seconds - self._last_clock.get(phase, 0.0)) / ran
+            self._last_clock = clock
+        self._steps_run = 0
         self.figures = figures
         return figures

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..buckets import MAX_BUCKET_ENTRIES, Bucket, BucketBook, build_buckets, param_slots
 from ..config import FlexDeMoConfig, validate_group
-from ..fault_tolerance.rounds import QuorumRounds
+from ..fault_tolerance.rounds import QuorumRounds, StepRound
 from ..schemes import Collective, Decoded, StepContext, build_scheme
 from ..state_store import StateStore, keep_saved_dtypes
 from ..topology import (
@@ -109,6 +109,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         eps: float = 1e-8,
         overlap: bool = False,
         value_bits: int = 0,
+        wire: str | None = None,
         pack_indices: bool = False,
         rounding: str = "nearest",
         shared_indices: bool = False,
@@ -119,6 +120,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         quorum_timeout: float = 120.0,
         replay_steps: int = 4,
         join_quorum: str = "before_forward",
+        stall_wait: float = 5.0,
         mesh: DeviceMesh | None = None,
         replicate_dim: str | None = None,
         elementwise: Iterable[torch.Tensor] | None = None,
@@ -230,17 +232,20 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
 
     def _run(self, sync_only: bool) -> bool:
         """One step (``sync_only``: a round of ``synchronize()``); returns whether it exchanged across nodes."""
+        if self._payload_before_quorum(sync_only):
+            return self._run_payload_first()
         joined = self._enter_round(sync_only)  # fault tolerance: this step's quorum round (None: nothing to run)
         if joined is None:
             return False
+        return self._run_in_round(joined, sync_only)
+
+    def _run_in_round(self, joined: StepRound, sync_only: bool) -> bool:
+        """The step once it knows how it meets the quorum (``joined``)."""
         buckets = self._bucketed()
         topology = ReplicaTopology.single() if joined.local else self.topology
         if not sync_only:
             self.flush()  # overlap: the previous step's update lands before this step's local maths
-            taken = self._steps_taken()
-            for bucket in buckets:
-                bucket.scalars("step", torch.int64).add_(1)
-            self._book.host_step = taken + 1
+            self._count_step(buckets)
         # Steps still to replay count: the step number picks random's entries and replicate_every's exchanges,
         # which every replica of the quorum must pick alike.
         step = self._steps_taken() + self._steps_to_replay()
@@ -255,16 +260,37 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         if not sync_only and not decay_on_commit:
             self._decay(stepping)
         payloads, grad_bytes = self._local_steps(stepping, ctx, sync_only, joined.drop_gradient)
-        overlap = self.config.overlap and ctx.replicate and not sync_only
+        self._exchange(stepping, payloads, grad_bytes, ctx, topology, undo, decay_on_commit, not sync_only)
+        return ctx.replicate
+
+    def _count_step(self, buckets: list[Bucket]) -> None:
+        """A training step begins: every bucket's step count moves on."""
+        taken = self._steps_taken()
+        for bucket in buckets:
+            bucket.scalars("step", torch.int64).add_(1)
+        self._book.host_step = taken + 1
+
+    def _exchange(
+        self,
+        stepping: list[Bucket],
+        payloads: list[list[torch.Tensor]],
+        grad_bytes: list[int],
+        ctx: StepContext,
+        topology: ReplicaTopology,
+        undo: list | None,
+        decay_on_commit: bool,
+        training: bool,
+    ) -> None:
+        """Send the payloads; apply what comes back now, or at the next step with ``overlap``."""
+        overlap = self.config.overlap and ctx.replicate and training
         in_flight = start_exchange(
             self.scheme.collective, stepping, payloads, grad_bytes, ctx, async_op=overlap, topology=topology
         )
-        in_flight.undo, in_flight.decay_on_commit, in_flight.training = undo, decay_on_commit, not sync_only
+        in_flight.undo, in_flight.decay_on_commit, in_flight.training = undo, decay_on_commit, training
         if overlap:
             self._pending = in_flight
         else:
             self._finish(in_flight)
-        return ctx.replicate
 
     def _context(self, step: int, sync_only: bool, topology: ReplicaTopology) -> StepContext:
         ctx = StepContext(

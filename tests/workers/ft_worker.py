@@ -180,6 +180,11 @@ def main() -> None:
         "samples_per_step": [
             (h["step"], h["flexdemo/samples_per_step"]) for h in trainer.state.log_history if "loss" in h
         ],
+        "round_seconds": [
+            {k.removeprefix("flexdemo/seconds_"): v for k, v in h.items() if k.startswith("flexdemo/seconds_")}
+            for h in trainer.state.log_history
+            if "loss" in h
+        ],
     }
     (out / f"result_rank{rank}.json").write_text(json.dumps(result))
     print_summary(trainer, {}, ())
