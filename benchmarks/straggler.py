@@ -122,6 +122,8 @@ def run(args, work: Path) -> dict:
         f"fault_tolerance=torchft,ft_timeout=60,quorum_timeout=120,join_quorum={args.join_quorum},replay_steps=32"
     )
     stop = threading.Event()
+    nodes: list[Launch] = []
+    slower = None
     try:
         nodes = [
             Launch(
@@ -136,7 +138,6 @@ def run(args, work: Path) -> dict:
         started, met_at = time.time(), nodes[0].committed()
         wait_for(nodes, lambda: nodes[0].committed() >= met_at + args.before)
         slow_from = time.time()
-        slower = None
         if args.slow != "none":
             cycle = args.cycle or CYCLES[args.slow]
             duty = args.duty or DUTIES[args.slow]
@@ -146,11 +147,17 @@ def run(args, work: Path) -> dict:
         stop.set()
         if slower:
             slower.join()
+        slower = None
         slow_to = time.time()
         for node in nodes:
             node.wait()
     finally:
         stop.set()
+        if slower:
+            slower.join()  # the slow node runs again
+        for node in nodes:
+            if node.proc.poll() is None:  # a failed run: no node is left behind, stopped or running
+                node.kill()
         lighthouse.stop()
     ended = min(node.steps[-1][0] for node in nodes)
     fast = range(args.nodes - 1)
@@ -171,7 +178,7 @@ def run(args, work: Path) -> dict:
         "final_models_identical": len({model_digest(work / f"node{n}") for n in range(args.nodes)}) == 1,
         "ending_warnings": [line for node in nodes for line in node.said if "ended" in line or "stops waiting" in line],
         "catch_ups": [line.strip() for node in nodes for line in node.tail if "behind and caught up" in line],
-        "sit_outs": [line.strip() for node in nodes for line in node.tail if "stalled and sat out" in line],
+        "sit_outs": [line.strip() for node in nodes for line in node.tail if "sat out:" in line],
         "window": [slow_from, slow_to],
         "timeline": [
             [(t, {k: v for k, v in s.items() if k.startswith("flexdemo/")}) for t, s in node.steps] for node in nodes

@@ -220,7 +220,9 @@ class FlexDeMoConfig:
         metadata={
             "help": "torchft: after a stall of its processes (0.5 s or more in which they did not run: stopped, a "
             "paused VM, a swapping machine), a node asks for its next quorum only once it has run this many seconds "
-            "without one, so that the others do not wait for it inside a round; it then catches up (0: never waits)."
+            "without one, so that the others do not wait for it inside a round; it then catches up. With "
+            "join_quorum='when_ready', a node the others spent more than 15% of their time waiting for sits out too, "
+            "for most of what replay_steps lets it catch up by replay (30 s at most). 0: a node never sits out."
         },
     )
     replay_steps: int = field(

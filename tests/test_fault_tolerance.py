@@ -190,8 +190,8 @@ def test_a_paused_node_catches_up_by_replay_and_copies_the_state_only_when_furth
     moved = re.search(r"replaying their exchanged payloads \(([\d.]+) MB .*would move ([\d.]+) MB\)", log)
     assert float(moved[1]) < float(moved[2]), moved[0]
 
-    # Its processes did not run while frozen: back, it sits out stall_wait before asking for a quorum again.
-    assert re.search(r"node1 stalled for [\d.]+ s \(its processes did not run\); it sits out", log), log[-6000:]
+    # Frozen, it stalled; but with two nodes node 0 cannot form a quorum without it, so it does not sit out.
+    assert "sits out" not in log, log[-6000:]
     frozen_while_node0_commits(REPLAY_STEPS + 10)
     assert nodes[1].log().count(copied) == copies + 1, nodes[1].log()[-6000:]
     finish(nodes)

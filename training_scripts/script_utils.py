@@ -400,8 +400,8 @@ def print_summary(trainer: Trainer, metrics: dict[str, float], headline: Sequenc
         print(f"   quorum of live nodes: {replicas.membership_story()}")
         if replicas.catch_up_story():
             print(f"   behind and caught up: {replicas.catch_up_story()}")
-        if replicas.stall_story():
-            print(f"   stalled and sat out: {replicas.stall_story()}")
+        if replicas.sit_out_story():
+            print(f"   sat out: {replicas.sit_out_story()}")
         if replicas.quorum_wait_story():
             print(f"   waits for a quorum: {replicas.quorum_wait_story()}")
 

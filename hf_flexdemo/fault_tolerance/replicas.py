@@ -26,7 +26,7 @@ from .healing import Healing
 from .membership import Membership, membership_story
 from .node import NodeIdentity, import_torchft, start_manager
 from .quorum import StepQuorum
-from .stalls import StallWatch
+from .sit_out import SitOut
 from .timeline import RoundClock
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,7 @@ class ManagedReplicas:
         self._shut_down = False
         self.clock = RoundClock()
         """Seconds this process spent in each phase of its quorum rounds (:mod:`.timeline`)."""
-        self._stalls = StallWatch().start() if config.stall_wait > 0 else None
-        self._sat_out: list[float] = []  # seconds of each sit-out after a stall
+        self._sit_out = SitOut(config, self.identity, rank)
         self._quorum_waits: deque[float] = deque(maxlen=QUORUM_WAITS_KEPT)  # seconds from asking to the answer
         atexit.register(_shut_down_at_exit, weakref.ref(self))
         # The healing node receives the peer's settings first (checked before anything loads), then its round.
@@ -77,7 +76,7 @@ class ManagedReplicas:
         """Join this step's quorum (no-op if open); returns True if this call copied a peer's state."""
         if self._quorum.round_open:
             return False
-        self._sit_out_after_stall()
+        self.clock.add("sit_out", self._sit_out.before_asking(self._members.members, self._end.finished))
         self._healing.start_round()
         self.steps_before_quorum = self.manager.current_step()
         previous = self._members.members
@@ -91,32 +90,9 @@ class ManagedReplicas:
         self._quorum.check_job_state()
         return self._healing.say_healed()
 
-    def _sit_out_after_stall(self) -> None:
-        """A node whose processes stalled lately asks for its quorum only once it runs steadily (:mod:`.stalls`)."""
-        watch = self._stalls
-        if watch is None or self._end.finished or watch.steady_for() >= self.config.stall_wait:
-            return
-        if not self._sat_out and self._rank == 0:
-            logger.warning(
-                "FlexDeMo fault tolerance: %s stalled for %.1f s (its processes did not run); it sits out until it has "
-                "run stall_wait=%g s without a stall, so that the others do not wait for it inside a round, then "
-                "catches up. Later sit-outs are counted in the run summary.",
-                self.identity.name,
-                watch.stalls[-1],
-                self.config.stall_wait,
-            )
-        waited = watch.wait_until_steady(self.config.stall_wait)
-        self._sat_out.append(waited)
-        self.clock.add("sit_out", waited)
-
-    def stall_story(self) -> str:
-        """The sit-outs after stalls of this process, in one line ("" if none)."""
-        if not self._sat_out:
-            return ""
-        return (
-            f"{len(self._sat_out)} sit-out(s) after stalls, {sum(self._sat_out):.1f} s in all (the longest stall: "
-            f"{max(self._stalls.stalls):.1f} s)"
-        )
+    def sit_out_story(self) -> str:
+        """This node's sit-outs (after stalls, or while the others waited for it), in one line ("" if none)."""
+        return self._sit_out.story()
 
     def quorum_wait_story(self) -> str:
         """How long this node waited for its training rounds' quorums, in one line ("" if it met none)."""
@@ -151,6 +127,7 @@ class ManagedReplicas:
         samples it counts."""
         with self.clock.timing("commit"):
             committed = self._quorum.commit(trained)
+        self._sit_out.round_done(self._members.members)
         if not committed:
             self._members.undone += 1
         return committed
