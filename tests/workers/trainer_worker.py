@@ -76,6 +76,9 @@ def main() -> None:
         optim_args = base.optim_args if optim == "flexdemo" else None  # FlexDeMo's keys are refused for others
         args = dataclasses.replace(base, optim=optim, optim_args=optim_args, output_dir=out)
         run_one(model_kind, optim, args, tok, spy, base.resume_from_checkpoint)
+    if dist.is_initialized():  # leave together, as the training scripts do (script_utils.finish_distributed): a
+        dist.barrier()  # process that exits while a peer's gloo connections are up can make it abort at exit
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
