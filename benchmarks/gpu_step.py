@@ -320,6 +320,12 @@ def node_rank_ms(args: argparse.Namespace, plan: NodeShardPlan, ns_dtype: torch.
             [{"params": matrices}, {"params": others, "update": DEFAULT_ELEMENTWISE_UPDATE}], update="sign", **settings
         ),
     }
+    if device == "cuda":  # the fused kernels (kernels='triton'), the same configurations
+        makers["flexdemo sign, triton"] = lambda: FlexDeMo(params, update="sign", kernels="triton", **settings)
+        makers["pipeline, triton"] = lambda: FlexDeMo(
+            [{"params": matrices}, {"params": others, "update": DEFAULT_ELEMENTWISE_UPDATE}],
+            update="sign", kernels="triton", **settings,
+        )  # fmt: skip
     times = {}
     for name, make in makers.items():
         opt = make()
@@ -383,6 +389,15 @@ def node_of_main(args: argparse.Namespace) -> None:
         ("Newton-Schulz of the whole matrices this rank owns", times["newton-schulz"]),
         (f"flexdemo default rule, one rank of {plan.n} (sum of the two above)", default),
     ]
+    if "pipeline, triton" in times:
+        rows += [
+            ("flexdemo sign on the shards, kernels='triton'", times["flexdemo sign, triton"]),
+            ("flexdemo default rule less Newton-Schulz, kernels='triton'", times["pipeline, triton"]),
+            (
+                f"flexdemo default rule, one rank of {plan.n}, kernels='triton'",
+                times["pipeline, triton"] + times["newton-schulz"],
+            ),
+        ]
     for name, ms in rows:
         share = f"  {ms / fwd_bwd:6.1%} of fwd+bwd" if fwd_bwd else ""
         lines.append(f"  {name:66s} {ms:8.2f} ms{share}")
@@ -440,6 +455,11 @@ def main() -> None:
         "flexdemo demo, TF32 matmuls": {"update": "sign", "tf32": True},
         "flexdemo default rule, float32 NS": {"ns_dtype": "float32"},
         "flexdemo default rule, top 24 at 2 bits": {"topk": 24, "value_bits": 2, "pack_indices": True},
+        "flexdemo demo, triton kernels": {"update": "sign", "kernels": "triton"},
+        "flexdemo default rule, triton kernels": {"kernels": "triton"},
+        "flexdemo top 24 at 2 bits, triton kernels": {
+            "topk": 24, "value_bits": 2, "pack_indices": True, "kernels": "triton"
+        },  # fmt: skip
     }
     if args.only:
         configs = {name: kwargs for name, kwargs in configs.items() if kwargs is None or name in args.only}

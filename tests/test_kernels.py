@@ -1,5 +1,8 @@
 """Fused kernels (hf_flexdemo.kernels) against the torch functions they must equal, on CPU under Triton's interpreter.
 
+``FLEXDEMO_KERNEL_TEST_DEVICE=cuda`` runs the same checks compiled, on a GPU (both paths on the GPU's tensors):
+``benchmarks/gpu_session.sh`` does so where a GPU is lent.
+
 Tolerances, and why: both paths compute in float32 and differ only in summation order (the DCT's products, the
 decode's low-rank product against a dense inverse DCT, a 1-bit scale's mean). Coefficients and momenta therefore
 agree to ``rtol=1e-5`` with ``atol=1e-6 * max|Q|`` (a sum of at most 64 x 64 products, each rounded at 2**-24
@@ -18,7 +21,9 @@ import subprocess
 import sys
 import textwrap
 
-os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: kernels then run on CPU tensors
+DEVICE = os.environ.get("FLEXDEMO_KERNEL_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: kernels then run on CPU tensors
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -69,9 +74,9 @@ def encode_both(case: str, fmt: str, grad_dtype=torch.float32, seed: int = 0):
     plan, shape = bucket_plan(case)
     bits, wire, stochastic = FORMATS[fmt]
     g = torch.Generator().manual_seed(seed)
-    grad = torch.randn(shape, generator=g).to(grad_dtype)
-    q = torch.randn(plan.rows, plan.cols, generator=g)
-    noise = torch.rand(plan.n_tiles, plan.k, generator=g) if stochastic else None
+    grad = torch.randn(shape, generator=g).to(DEVICE, grad_dtype)
+    q = torch.randn(plan.rows, plan.cols, generator=g).to(DEVICE)
+    noise = torch.rand(plan.n_tiles, plan.k, generator=g).to(DEVICE) if stochastic else None
     q_torch, q_kernel = q.clone(), q.clone()
     settings = dict(decay=0.9, lr=0.5, select=True, bits=bits, wire_dtype=wire, noise=noise)
     expected = demo_encode_torch(grad, q_torch, plan, **settings)
@@ -130,7 +135,7 @@ def test_encode_kernel_only_accumulates_between_replications():
     from hf_flexdemo.kernels.demo_encode import demo_encode
 
     plan, shape = bucket_plan("7x7")
-    grad, q = torch.randn(shape), torch.randn(plan.rows, plan.cols)
+    grad, q = torch.randn(shape, device=DEVICE), torch.randn(plan.rows, plan.cols, device=DEVICE)
     q_torch, q_kernel = q.clone(), q.clone()
     settings = dict(decay=0.9, lr=0.5, select=False, bits=0, wire_dtype=torch.float32)
     assert demo_encode_torch(grad, q_torch, plan, **settings) is None
@@ -145,7 +150,7 @@ def test_encode_kernel_breaks_exact_ties_by_the_lowest_index():
 
     plan = ChunkPlan.for_shape((4, 4), 4, 4)
     q = torch.tensor([[1.0, 3.0, -2.0, 0.5], [2.0, -0.5, 2.0, -2.0], [0.0, 1.0, 0.25, 2.0], [-3.0, 1.0, 0.0, 0.1]])
-    grad = torch.zeros(4, 4)
+    q, grad = q.to(DEVICE), torch.zeros(4, 4, device=DEVICE)
     settings = dict(decay=1.0, lr=0.0, select=True, bits=0, wire_dtype=torch.float32)  # Q stays as it is
     got = demo_encode(grad, q.clone(), plan, **settings)
     # |Q| = 3 at 1 and 12, then the 2s at 2, 4, 6, 7, 11: the two of lowest index complete k = 4.
@@ -162,13 +167,14 @@ def replica_parts(plan: ChunkPlan, replicas: int, seed: int = 0) -> list[tuple[t
     """Each replica's top-k of a shared signal plus its own: the replicas' positions overlap in part."""
     g = torch.Generator().manual_seed(seed)
     shared = torch.randn(plan.rows, plan.cols, generator=g)
-    return [select_topk(shared + 0.7 * torch.randn(plan.rows, plan.cols, generator=g), plan) for _ in range(replicas)]
+    signals = [(shared + 0.7 * torch.randn(plan.rows, plan.cols, generator=g)).to(DEVICE) for _ in range(replicas)]
+    return [select_topk(signal, plan) for signal in signals]
 
 
 def decode_both(plan, shape, parts, *, mode, sign, dtype):
     from hf_flexdemo.kernels.sign_decode import sign_decode
 
-    start = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    start = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
     expected, got = list(start.clone().unbind(0)), list(start.clone().unbind(0))
     sign_decode_torch(expected, parts, plan, mode=mode, lr=LR, sign=sign)
     sign_decode(got, parts, plan, mode=mode, lr=LR, sign=sign)
@@ -249,8 +255,9 @@ def test_wire_round_trip_encoded_by_the_kernel_decodes_alike(settings):
         g = torch.Generator().manual_seed(replica)
         q = torch.randn(plan.rows, plan.cols, generator=g)
         noise = wire.noise((plan.n_tiles, plan.k), q.device, g)
+        q, noise, grad = q.to(DEVICE), noise.to(DEVICE) if noise is not None else None, torch.randn(shape, generator=g)
         encoded = demo_encode(
-            torch.randn(shape, generator=g), q, plan, decay=0.9, lr=0.5, select=True,
+            grad.to(DEVICE), q, plan, decay=0.9, lr=0.5, select=True,
             bits=wire.config.value_bits, wire_dtype=torch.bfloat16, noise=noise,
         )  # fmt: skip
         received.append(wire.read(wire.pack(*encoded, plan, torch.bfloat16), plan))
@@ -264,11 +271,11 @@ SHAPES = [(16, 32), (16, 32), (7, 5), (40,), (3,)]
 
 def run_optimizer(kernels: str, dtype: torch.dtype, steps: int = 5, **settings):
     g = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype)) for shape in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g).to(DEVICE, dtype)) for shape in SHAPES]
     opt = FlexDeMo(params, lr=LR, weight_decay=0.1, topk=8, chunk=16, kernels=kernels, **settings)
     for _ in range(steps):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=g).to(dtype)
+            p.grad = torch.randn(p.shape, generator=g).to(DEVICE, dtype)
         opt.step()
     momenta = torch.cat([opt.state[p]["momentum_dct"].reshape(-1) for p in params])
     return torch.cat([p.detach().float().reshape(-1) for p in params]), momenta
@@ -321,7 +328,7 @@ def test_kernels_setting_is_validated():
 
 
 def test_triton_on_the_cpu_without_the_interpreter_is_refused_before_training(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="no CUDA GPU, and TRITON_INTERPRET=1 .* is not set; write kernels='torch'"):
         FlexDeMo([torch.nn.Parameter(torch.zeros(4))], kernels="triton")
@@ -341,7 +348,7 @@ def test_triton_not_installed_is_refused(monkeypatch):
 
 @needs_triton
 def test_float64_parameters_are_refused_at_the_first_step():
-    params = [torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.float64))]
+    params = [torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.float64, device=DEVICE))]
     opt = FlexDeMo(params, kernels="triton", update="sign")
     params[0].grad = torch.ones_like(params[0])
     with pytest.raises(ValueError, match="torch.float64 keep a torch.float64 momentum: write kernels='torch'"):
@@ -380,9 +387,9 @@ encode = dict(grad_ptr="*bf16", q_ptr="*fp32", left_ptr="*fp32", right_ptr="*fp3
               index_ptr="*i32", value_ptr="*fp32", code_ptr="*u8", scale_ptr="*fp32")
 compile(_demo_encode_kernel, encode, dict(cols="i32", grid_cols="i32", decay="fp32", lr="fp32"),
         dict(TILE_ROWS=13, TILE_COLS=40, A=16, B=64, K=32, SELECT=True, BITS=2, LEVELS=1, STOCHASTIC=True, WIRE=0))
-decode = dict(table_ptr="*i64", out_ptr="*fp32", index_ptr="*i32", value_ptr="*bf16", left_ptr="*fp32",
-              right_ptr="*fp32")
-for store in (False, True):
+for store in (False, True):  # storing, the table argument is the int32 indices (demo_decode)
+    decode = dict(table_ptr="*i32" if store else "*i64", out_ptr="*fp32", index_ptr="*i32", value_ptr="*bf16",
+                  left_ptr="*fp32", right_ptr="*fp32")
     compile(_sign_decode_kernel, decode, dict(n_tiles="i32", cols="i32", grid_cols="i32", tiles_per_param="i32",
             neg_lr="fp32"), dict(REPLICAS=3, K=100, KB=64, TILE_ROWS=7, TILE_COLS=40, A=16, B=64, SELECTED=True,
             SIGN=False, PARAM=1, STORE=store))
@@ -419,6 +426,7 @@ print("ran")
 
 
 @needs_triton
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's own check (torch 2.11 with Triton 3.6 refuses it)")
 def test_kernels_run_interpreted_where_triton_was_imported_before_the_interpreter_was_switched_on():
     """The interpreter cannot call Triton's compiled-only standard library (tl.sum, tl.zeros, ...): the kernels use
     builtins only, so a worker that imported Triton early (through transformers' Trainer) still runs them."""

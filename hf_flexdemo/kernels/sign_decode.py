@@ -93,22 +93,22 @@ def _sign_decode_kernel(
     if STORE:  # the dense update for another rule: the tile of the stacked (rows, cols) float32 output
         base = (tile // grid_cols).to(tl.int64) * TILE_ROWS * cols + (tile % grid_cols) * TILE_COLS
         tl.store(out_ptr + base + i * cols + j, update, mask=inside)
-        return
-    if SIGN:
-        step = tl.where(update > 0, 1.0, tl.where(update < 0, -1.0, 0.0))
-    else:
-        step = round_to_dtype(update, PARAM)
-    local = tile % tiles_per_param
-    base = (local // grid_cols).to(tl.int64) * TILE_ROWS * cols + (local % grid_cols) * TILE_COLS
-    address = tl.load(table_ptr + tile // tiles_per_param)
-    if PARAM == 1:
-        where = address.to(tl.pointer_type(tl.bfloat16)) + base + i * cols + j
-    elif PARAM == 2:
-        where = address.to(tl.pointer_type(tl.float16)) + base + i * cols + j
-    else:
-        where = address.to(tl.pointer_type(tl.float32)) + base + i * cols + j
-    moved = tl.load(where, mask=inside, other=0.0).to(tl.float32) + neg_lr * step
-    tl.store(where, round_to_dtype(moved, PARAM).to(where.dtype.element_ty), mask=inside)
+    else:  # an else, not a return: the compiler then drops this branch, whose table is no address table when storing
+        if SIGN:
+            step = tl.where(update > 0, 1.0, tl.where(update < 0, -1.0, 0.0))
+        else:
+            step = round_to_dtype(update, PARAM)
+        local = tile % tiles_per_param
+        base = (local // grid_cols).to(tl.int64) * TILE_ROWS * cols + (local % grid_cols) * TILE_COLS
+        address = tl.load(table_ptr + tile // tiles_per_param)
+        if PARAM == 1:
+            where = address.to(tl.pointer_type(tl.bfloat16)) + base + i * cols + j
+        elif PARAM == 2:
+            where = address.to(tl.pointer_type(tl.float16)) + base + i * cols + j
+        else:
+            where = address.to(tl.pointer_type(tl.float32)) + base + i * cols + j
+        moved = tl.load(where, mask=inside, other=0.0).to(tl.float32) + neg_lr * step
+        tl.store(where, round_to_dtype(moved, PARAM).to(where.dtype.element_ty), mask=inside)
 
 
 @functools.lru_cache(maxsize=1024)
