@@ -92,6 +92,17 @@ CONFIGS = {
     },
     "sparseloco": ("flexdemo", "scheme=sparseloco,inner_steps=20,topk=64,value_bits=2,pack_indices=true"),
 }
+MOMENTUM_DECAYS = (0.99, 0.95, 0.9)
+"""Issue 35: the momentum's ``decay`` with the default rule (DeMo's 0.999 was tuned for the sign rule). An entry
+DeMo does not send waits in the momentum, so the decay bounds how stale the update's entries are."""
+CONFIGS |= {
+    f"{wire}_ortho_adam_decay{decay:g}": (
+        "flexdemo",
+        ",".join(filter(None, (SIGN_CONFIGS[wire], "update=orthogonal,elementwise_update=adam", f"decay={decay}"))),
+    )
+    for wire in ("demo", "demo_top24_2bit", "demo_aggressive")
+    for decay in MOMENTUM_DECAYS
+}
 
 # The learning rates swept on seed 0, per model. OLMo2's come from the 150-step pilot
 # (BENCHMARKS.md): each configuration's best rate there and twice it where the best sat at the
@@ -101,7 +112,7 @@ CONFIGS = {
 SIGN_UPDATE = (4e-3, 8e-3)
 AT_DEMOS_T5_RATE = ("demo_bf16", "demo_sign", "demo_4bit", "demo_2bit", "demo_top16_2bit", "demo_top24_2bit")
 AT_DEMOS_T5_RATE += ("demo_top64_2bit", "demo_aggressive", "demo_shared", "full", "random", "striding")
-UPDATE_RULE_CONFIGS = tuple(name for name in CONFIGS if name.endswith(("_adam", "_ortho")))
+UPDATE_RULE_CONFIGS = tuple(name for name in CONFIGS if name.endswith(("_adam", "_ortho")) or "_decay" in name)
 UPDATE_RULE_RATES = (4e-3, 8e-3, 1.6e-2)
 """The rules take steps of about a sign step's size per entry: swept around sign's best (OLMo2's 8e-3),
 extended downwards where the best sat at the bottom."""

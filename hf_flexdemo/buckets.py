@@ -141,14 +141,6 @@ class Bucket:
         """``values`` (``count * numel`` entries) as one view per parameter."""
         return list(values.reshape(self.count, *self.shape).unbind(0))
 
-    def add_to_params(self, step: torch.Tensor, alpha: float, where: torch.Tensor | None = None) -> None:
-        """``p += alpha * step`` for every parameter at once; ``where``: flat positions in the bucket that
-        ``step`` holds (every entry when None)."""
-        step = step.to(self.dtype)
-        if where is not None:
-            step = torch.zeros(self.count * self.numel, dtype=self.dtype, device=self.device).index_add_(0, where, step)
-        torch._foreach_add_(self.params, self.unstacked(step), alpha=alpha)
-
     def copy_to_params(self, values: torch.Tensor) -> None:
         torch._foreach_copy_(self.params, self.unstacked(values.to(self.dtype)))
 

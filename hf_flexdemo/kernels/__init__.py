@@ -8,7 +8,9 @@ The setting ``kernels`` (:class:`hf_flexdemo.FlexDeMoConfig`) picks the implemen
   format);
 - :mod:`.sign_decode`: every replica's ``(indices, values)`` of a tile decoded and applied, ``p -= lr * sign(U)``
   (``lr * U`` with ``sign=False``), with no dense coefficient matrix (``update='sign'``; the other rules take
-  the dense decode, :meth:`hf_flexdemo.schemes.base.SparseCoefficients.dense`).
+  the dense decode, :meth:`hf_flexdemo.schemes.base.SparseCoefficients.dense`, written once by the same kernel);
+- :mod:`.rule_step`: the other rules' pass over the parameters, one program per block of a parameter: the
+  orthogonal rule's ``p += alpha * step``, or adam's normalisation and step with its second moment.
 
 Each kernel module holds the torch function it must equal (``*_torch``), which the tests compare it with.
 Importing this package does not import Triton: a kernel module is imported on first use, so that
@@ -142,3 +144,25 @@ def dense_decoder(kernels: str) -> Callable:
     from .sign_decode_torch import demo_decode_torch
 
     return demo_decode_torch
+
+
+def step_adder(kernels: str) -> Callable:
+    """``p += alpha * step`` over a bucket's parameters (:func:`.rule_step_torch.add_step_torch`'s signature)."""
+    if kernels == "triton":
+        from .rule_step import add_step
+
+        return add_step
+    from .rule_step_torch import add_step_torch
+
+    return add_step_torch
+
+
+def adam_stepper(kernels: str) -> Callable:
+    """The adam rule's step over a bucket (:func:`.rule_step_torch.adam_step_torch`'s signature)."""
+    if kernels == "triton":
+        from .rule_step import adam_step
+
+        return adam_step
+    from .rule_step_torch import adam_step_torch
+
+    return adam_step_torch

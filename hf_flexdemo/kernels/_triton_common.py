@@ -11,6 +11,9 @@ them as it compiles ``tl.sum``.
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _sum_combine
@@ -21,6 +24,13 @@ WIRE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 def dtype_code(dtype) -> int:
     return WIRE_CODES[str(dtype).removeprefix("torch.")]
+
+
+@functools.lru_cache(maxsize=1024)
+def address_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The parameters' addresses on their device, for a kernel that reaches a bucket's parameters through them
+    (kept: a bucket's parameters keep their storage between steps)."""
+    return torch.tensor(addresses, dtype=torch.int64, device=device)
 
 
 @triton.jit

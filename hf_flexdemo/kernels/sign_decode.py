@@ -18,7 +18,6 @@ rounding). Fixed order, no atomics: every replica computes bitwise the same.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -27,7 +26,7 @@ import triton.language as tl
 
 from ..compression import ChunkPlan
 from . import padded_dct
-from ._triton_common import dtype_code, round_to_dtype, total
+from ._triton_common import address_table, dtype_code, round_to_dtype, total
 
 BLOCK = 64
 """Most sent entries one product takes at a time (bounds a program's registers whatever ``k`` and replicas)."""
@@ -111,12 +110,6 @@ def _sign_decode_kernel(
         tl.store(where, round_to_dtype(moved, PARAM).to(where.dtype.element_ty), mask=inside)
 
 
-@functools.lru_cache(maxsize=1024)
-def _address_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The parameters' addresses on their device (kept: a bucket's parameters keep their storage between steps)."""
-    return torch.tensor(addresses, dtype=torch.int64, device=device)
-
-
 @torch.library.custom_op("hf_flexdemo::sign_decode", mutates_args=("params",))
 def sign_decode_op(
     params: list[torch.Tensor],
@@ -133,7 +126,7 @@ def sign_decode_op(
 ) -> None:
     """The kernel as one torch operation: ``indices`` and ``values`` are ``(replicas, n_tiles, k)``, ``params`` the
     bucket's contiguous parameters (each ``rows x cols`` of the plan, stacked by rows)."""
-    table = _address_table(tuple(p.data_ptr() for p in params), params[0].device)
+    table = address_table(tuple(p.data_ptr() for p in params), params[0].device)
     _launch(table, None, indices, values, left, right, cols, tile_rows, tile_cols, selected, lr, sign, params)
 
 

@@ -10,7 +10,8 @@ the second moment is kept of ``g = u / lr``, an estimate on the gradient's own s
 There is no first moment: FlexDeMo's momentum (``decay``) is it, so ``betas[0]`` is unused.
 A step with ``lr = 0`` (a warm-up's first) moves nothing and counts nothing. ``u`` is identical
 on every replica, so ``v`` and ``t`` are too (shared state: checkpointed, copied by a healing
-node); ``t`` is a tensor, so the correction costs no host synchronisation.
+node); ``t`` is a tensor, so the correction costs no host synchronisation. The arithmetic is
+:func:`hf_flexdemo.kernels.rule_step_torch.adam_step_torch` (``kernels='triton'``: one fused pass).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..buckets import Bucket
+from ..kernels import adam_stepper
 from ..schemes.base import StepContext
 from ..schemes.momentum import momentum_dtype
 from .base import Decoded, UpdateRule
@@ -48,9 +50,7 @@ class AdamRule(UpdateRule):
             beta2 = bucket.group["betas"][1]
             v = self.second_moment(bucket)
             t = bucket.scalars(UPDATES, torch.float64).add_(1)
-            g = item.update.view(v.shape).to(v.dtype).div_(lr)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             # Each parameter's own count (equal within a bucket unless a checkpoint says otherwise).
-            correction = (1 - torch.pow(beta2, t)).to(v.dtype).view(-1, *([1] * (v.dim() - 1)))
-            denominator = (v / correction).sqrt_().add_(bucket.group["eps"])
-            self.subtract(item, g.div_(denominator))
+            correction = (1 - torch.pow(beta2, t)).to(v.dtype)
+            step = adam_stepper(self.kernels_for(bucket))
+            step(bucket.params, item.update, v, correction, lr=lr, beta2=beta2, eps=bucket.group["eps"])

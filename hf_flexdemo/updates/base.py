@@ -8,6 +8,7 @@ import torch
 
 from ..buckets import Bucket, ParamSlot
 from ..config import FlexDeMoConfig
+from ..kernels import step_adder
 from ..schemes.base import Decoded, StepContext
 
 
@@ -31,8 +32,17 @@ class UpdateRule(ABC):
     def apply(self, decoded: list[Decoded], ctx: StepContext) -> None:
         """Move each ``decoded[i].bucket``'s parameters by its update (``ctx``: the step that exchanged it)."""
 
-    @staticmethod
-    def subtract(decoded: Decoded, step: torch.Tensor) -> None:
-        """``p -= lr * step`` for the bucket's parameters, at ``decoded.where`` (every entry when None)."""
+    def subtract(self, decoded: Decoded, step: torch.Tensor, scale: float = 1.0) -> None:
+        """``p -= lr * scale * step`` for the bucket's parameters, at ``decoded.where`` (every entry when None);
+        with ``kernels='triton'``, one fused pass (:mod:`hf_flexdemo.kernels.rule_step`)."""
         bucket = decoded.bucket
-        bucket.add_to_params(step, -bucket.group["lr"], where=decoded.where)
+        if decoded.where is not None:  # a scattered subset (random, striding): zeros elsewhere
+            dense = torch.zeros(bucket.count * bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            step = dense.index_add_(0, decoded.where, step.to(bucket.dtype))
+        step_adder(self.kernels_for(bucket))(bucket.params, step, -bucket.group["lr"] * scale)
+
+    def kernels_for(self, bucket: Bucket) -> str:
+        """The setting ``kernels``, or ``'torch'`` where the kernels cannot reach the parameters (not contiguous)."""
+        if self.config.kernels == "torch" or not all(p.is_contiguous() for p in bucket.params):
+            return "torch"
+        return self.config.kernels

@@ -73,12 +73,13 @@ def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtyp
     if not wide:
         x = x.mT  # iterate on the smaller Gram matrix
     batched = x.unsqueeze(0) if x.dim() == 2 else x.reshape(-1, *x.shape[-2:])
-    for _ in range(steps):
+    for step in range(steps):
         gram = batched @ batched.mT
         polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b * G + c * G @ G
+        if step == steps - 1 and not wide:  # the last product transposed: the tall result comes out contiguous
+            return torch.baddbmm(batched.mT, batched.mT, polynomial.mT, beta=a).view(matrix.shape)
         batched = torch.baddbmm(batched, polynomial, batched, beta=a)  # a * X + (b * G + c * G @ G) @ X
-    x = batched.view(x.shape)
-    return x if wide else x.mT
+    return batched.view(x.shape) if wide else batched.view(x.shape).mT
 
 
 def multiplies_bf16_fast(device: torch.device) -> bool:
@@ -172,18 +173,25 @@ class OrthogonalRule(UpdateRule):
             shards = _row_shards(item.bucket.slots[0].state.param)
             if shards is None:
                 bucket = item.bucket
-                self.subtract(item, scaled_newton_schulz(item.update.view(bucket.count, *bucket.shape), self.dtype))
+                ortho = newton_schulz(item.update.view(bucket.count, *bucket.shape), dtype=self.dtype)
+                self.subtract(item, ortho, scale=step_scale(bucket.full_shape))
             else:
                 by_group[shards].append(item)
         for (group, size, rank), items in by_group.items():
             for item, ortho in zip(items, _orthogonalize_by_owner(items, group, size, rank, self.dtype)):
-                self.subtract(item, ortho)
+                self.subtract(item, ortho, scale=step_scale(item.bucket.full_shape))
+
+
+def step_scale(shape: torch.Size | tuple[int, ...]) -> float:
+    """``sqrt(max(rows, cols))``: the factor that makes an orthogonalized ``rows x cols`` step about one per entry.
+    The rule folds it into the step's ``lr`` (no pass of its own over the matrix)."""
+    return math.sqrt(max(shape[-2:]))
 
 
 def scaled_newton_schulz(whole: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``sqrt(max(rows, cols)) * NS(whole)`` for each ``rows x cols`` matrix: a step of about one per entry."""
-    rows, cols = whole.shape[-2:]
-    return newton_schulz(whole, dtype=dtype).mul_(math.sqrt(max(rows, cols)))
+    """``step_scale * NS(whole)`` for each ``rows x cols`` matrix: the step per unit of ``lr`` (for benchmarks and
+    tests; the rule scales in its subtraction)."""
+    return newton_schulz(whole, dtype=dtype).mul_(step_scale(whole.shape))
 
 
 @functools.lru_cache(maxsize=16)  # the same buckets every step: dealt once per set of shapes
@@ -208,7 +216,7 @@ def deal_owners(buckets: tuple[tuple[int, int], ...], size: int) -> tuple[tuple[
 def _orthogonalize_by_owner(
     items: list[Decoded], group: dist.ProcessGroup, size: int, rank: int, dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
-    """This process's rows of each bucket's scaled orthogonalizations, each matrix computed by its owner.
+    """This process's rows of each bucket's orthogonalizations (unscaled), each matrix computed by its owner.
 
     FSDP2 splits rows as ``torch.chunk`` does: ``ceil(rows / size)`` per process, the last ones shorter or
     empty. Each shard travels padded to that size, so a process sends every owner the same amount.
@@ -240,7 +248,7 @@ def _orthogonalize_by_owner(
             continue
         stacked = received[:, start : start + mine * block[j]].reshape(size, mine, per, cols)
         whole = stacked.transpose(0, 1).reshape(mine, size * per, cols)[:, :rows]
-        ortho = torch.nn.functional.pad(scaled_newton_schulz(whole, dtype), (0, 0, 0, size * per - rows))
+        ortho = torch.nn.functional.pad(newton_schulz(whole, dtype=dtype), (0, 0, 0, size * per - rows))
         results.append(ortho.view(mine, size, per, cols).transpose(0, 1).reshape(size, mine * block[j]))
         start += mine * block[j]
     # Back: to each process q, its rows of every matrix this process owns, in the same order.

@@ -19,7 +19,7 @@ class SignRule(UpdateRule):
         for item in decoded:
             group = item.bucket.group
             sparse = item.sparse
-            if item.dense is None and all(p.is_contiguous() for p in item.bucket.params):
+            if item.dense is None and self.kernels_for(item.bucket) == "triton":
                 params, lr, sign = item.bucket.params, group["lr"], group["sign"]
                 sign_decoder()(params, sparse.parts, sparse.plan, mode=sparse.mode, lr=lr, sign=sign)
                 continue
