@@ -92,6 +92,13 @@ CONFIGS = {
     },
     "sparseloco": ("flexdemo", "scheme=sparseloco,inner_steps=20,topk=64,value_bits=2,pack_indices=true"),
 }
+WIRE_PROBES = {"demo_top128": "topk=128", "demo_top512": "topk=512"}
+"""Issue 35: more of each tile's coefficients on the wire (DeMo sends 32 of 4,096): how the default rule's loss
+moves between DeMo's wire and the uncompressed one."""
+CONFIGS |= {
+    f"{wire}_ortho_adam": ("flexdemo", f"{args},update=orthogonal,elementwise_update=adam")
+    for wire, args in WIRE_PROBES.items()
+}
 MOMENTUM_DECAYS = (0.99, 0.95, 0.9)
 """Issue 35: the momentum's ``decay`` with the default rule (DeMo's 0.999 was tuned for the sign rule). An entry
 DeMo does not send waits in the momentum, so the decay bounds how stale the update's entries are."""

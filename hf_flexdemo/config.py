@@ -183,7 +183,8 @@ class FlexDeMoConfig:
             "'triton': fused Triton kernels, one program per tile: one folds the gradient into the momentum, picks "
             "the top-k, encodes them for the wire and subtracts what was sent (every update rule and wire format); "
             "a second decodes every replica's coefficients and applies update='sign' (sign=False too) with no dense "
-            "update between ('orthogonal' and 'adam' take the torch decode). Same results to float32 rounding. "
+            "update between, or writes the decoded update once for 'orthogonal' and 'adam', whose pass over the "
+            "parameters (adam's second moment too) is a third. Same results to float32 rounding. "
             "Needs scheme='demo' without shared_indices, chunk <= 64, 16- or 32-bit parameters, and Triton on a "
             "CUDA GPU (on the CPU only under TRITON_INTERPRET=1, Triton's slow interpreter: for tests)."
         },

@@ -627,6 +627,23 @@ def test_a_step_the_node_does_not_commit_leaves_no_trace(scheme):
     assert copy_state(opt) == copy_state(twin)
 
 
+@pytest.mark.unit
+def test_a_step_under_a_quorum_copies_no_parameters_when_weight_decay_waits_for_the_commit(monkeypatch):
+    """The undo snapshot of a step: weight decay moves the parameters only after the vote, so no copy of them."""
+    from hf_flexdemo.buckets import Bucket
+
+    params = _tiny_params()
+    opt = FlexDeMo(params, lr=0.05, weight_decay=0.1, topk=3, chunk=4)
+    opt.attach_managed(OneReplicaQuorum([True, False, True]))
+    copies = []
+    monkeypatch.setattr(Bucket, "stacked_params", lambda bucket: copies.append(bucket) or torch.stack(bucket.params))
+    for step in range(3):
+        for p, g in zip(params, _grads(step, params)):
+            p.grad = g
+        opt.step()
+    assert copies == []
+
+
 def copy_state(opt) -> dict:
     """Every state tensor as bytes, comparable with ==."""
     return {

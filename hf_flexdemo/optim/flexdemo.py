@@ -253,10 +253,11 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
             return False
         ctx = self._context(step, sync_only, topology)
         stepping = [bucket.for_step(None) for bucket in buckets]
-        undo = self._snapshot(stepping, undo_step=not sync_only) if joined.in_quorum else None
         # Nothing reads the parameters between here and the rules, so under a quorum weight decay can wait
-        # for the commit, after any catch-up (DiLoCo's inner steps do read them: it decays now).
+        # for the commit, after any catch-up (DiLoCo's inner steps do read them: it decays now). Then nothing
+        # moves them before the vote, and undoing the step needs no copy of them.
         decay_on_commit = joined.in_quorum and not sync_only and not self.scheme.moves_parameters_locally
+        undo = self._snapshot(stepping, not sync_only, with_params=not decay_on_commit) if joined.in_quorum else None
         if not sync_only and not decay_on_commit:
             self._decay(stepping)
         payloads, grad_bytes = self._local_steps(stepping, ctx, sync_only, joined.drop_gradient)
