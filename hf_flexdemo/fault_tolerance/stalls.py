@@ -2,9 +2,7 @@
 
 A node in a quorum round holds every other node of the round until it has sent its payload and voted.
 If its processes stop running meanwhile, the others wait in the collective for as long as the stall
-lasts. And a node that stalled once tends to stall again. So a node that stalled lately sits out:
-it asks for its next quorum only once it has run ``stall_wait`` seconds without a stall (the others
-train on without it; it then catches up, by replay if it missed at most ``replay_steps``).
+lasts. This module only sees the stalls; when a node sits out after one is :mod:`.sit_out`'s rule.
 
 :class:`StallWatch` tells a stall from a busy process: a thread ticks every :data:`TICK_S`; a
 gap of :data:`STALL_S` between ticks while the process used almost no CPU means nothing of it ran.
@@ -27,7 +25,7 @@ RUN_SHARE = 0.1
 
 
 class StallWatch:
-    """Watches this process for stalls from a daemon thread; :meth:`wait_until_steady` sits out after one."""
+    """Watches this process for stalls from a daemon thread; :meth:`wait_until_steady` waits out the time after one."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, cpu: Callable[[], float] = time.process_time):
         self._clock, self._cpu = clock, cpu
