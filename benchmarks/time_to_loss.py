@@ -1,0 +1,169 @@
+"""The wire presets at a 1B model's scale: the modelled time to AdamW-HSDP's final loss, and the frontier plots.
+
+For each preset of the quality study (``--study`` directories of ``benchmarks/quality_study.py``) and each
+``wire=`` preset, from the study's runs (the default rule, 3 seeds, each configuration at its chosen rate):
+
+- **the loss**: the final validation loss against AdamW-HSDP's, and the first evaluation at which the mean
+  curve over the seeds is at or below AdamW-HSDP's final mean loss (the study's resolution: ``steps / 10``);
+- **the time, scaled to OLMo2-1B on 2 nodes**: a step costs its compute plus its inter-node bytes at the link's
+  rate, ``t = compute + 8 * bytes / rate``, with no overlap of the two. The bytes are one node's for OLMo2-1B
+  (``--wire_bytes``, written by ``benchmarks/wire_presets.py``: each preset through the real wire; AdamW-HSDP's
+  ring all-reduce of bf16 gradients sends the gradient once per node with 2 nodes). The compute is one rank of
+  a node of 8 H100s (``benchmarks/gpu_step.py --node_of 8``, BENCHMARKS.md): its forward and backward of
+  4 x 2048 tokens plus AdamW's step on its shards, or plus the default rule's step (the same for every wire
+  preset; FSDP2's in-node collectives, which both pay alike, are left out). The steps are the small preset's:
+  the model is scaled, the number of steps to the loss is assumed to carry over. The result is
+  ``steps to AdamW-HSDP's loss x t(preset) / (AdamW-HSDP's steps x t(AdamW-HSDP))``: below 1, the preset gets
+  there first.
+
+It also draws the frontier, one PNG per study preset: each configuration's loss against AdamW-HSDP's, over the
+bytes it sends per step (as "x fewer than dense", the study's own models), the default rule and the sign rule.
+
+    .venv/bin/python benchmarks/time_to_loss.py --study benchmarks/results/quality_olmo2 \\
+        benchmarks/results/quality_olmo2_ft benchmarks/results/quality_t5 --out benchmarks/results/time_to_loss
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from quality_study import mean_curve, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+RATES = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9}
+PRESET_CONFIGS = {  # wire= preset: the study's configuration with the default rule
+    "demo": "demo_ortho_adam",
+    "2bit": "demo_2bit_ortho_adam",
+    "top24_2bit": "demo_top24_2bit_ortho_adam",
+    "top16_2bit": "demo_top16_2bit_ortho_adam",
+    "top4_1bit": "demo_aggressive_ortho_adam",
+}
+FORWARD_BACKWARD_MS = 220.0
+"""One rank of a node of 8 H100s, OLMo2-1B, 4 x 2048 tokens (gpu_step.py --node_of 8, 2026-11-27)."""
+STEP_MS = {"adamw": 1.58, "flexdemo": 41.19}
+"""That rank's optimizer step: fused AdamW on its shards; the default rule (torch path, its Newton-Schulz share)."""
+
+
+def steps_to(row: dict, target: float) -> int | None:
+    """The first evaluation's step at which ``row``'s mean curve is at or below ``target``; None if never."""
+    return next((step for step, loss in mean_curve(row) if loss <= target), None)
+
+
+def modelled(study: Path, wire_bytes: dict) -> list[dict]:
+    """One record per wire preset run in ``study``: its loss against AdamW-HSDP and its time ratio per link."""
+    table = summarize(json.loads((study / "runs.json").read_text()))
+    model = next(m for m, _ in table)
+    adamw = table[(model, "adamw_hsdp")]
+    total_steps, target = mean_curve(adamw)[-1]
+    records = []
+    for preset, config in PRESET_CONFIGS.items():
+        row = table.get((model, config))
+        if row is None:
+            continue
+        reached = steps_to(row, target)
+        record = {
+            "study": model,
+            "wire": preset,
+            "config": config,
+            "seeds": row["seeds"],
+            "vs_adamw": row["vs_adamw"],
+            "steps_to_adamw_loss": reached,
+            "adamw_steps": total_steps,
+        }
+        for rate_name, rate in RATES.items():
+            adamw_s = (FORWARD_BACKWARD_MS + STEP_MS["adamw"]) / 1e3 + 8 * wire_bytes["dense_bytes"] / rate
+            step_s = (FORWARD_BACKWARD_MS + STEP_MS["flexdemo"]) / 1e3 + 8 * wire_bytes[preset] / rate
+            ratio = None if reached is None else reached * step_s / (total_steps * adamw_s)
+            record[f"x_adamw_time {rate_name}"] = ratio
+            record[f"x_adamw_run {rate_name}"] = step_s / adamw_s  # the same steps: the whole run's time
+            record[f"step_s {rate_name}"] = step_s
+            record[f"adamw_step_s {rate_name}"] = adamw_s
+        # The link at which a step of each takes as long: above it AdamW-HSDP's smaller compute wins.
+        extra_compute = (STEP_MS["flexdemo"] - STEP_MS["adamw"]) / 1e3
+        record["break_even_gbit"] = 8 * (wire_bytes["dense_bytes"] - wire_bytes[preset]) / extra_compute / 1e9
+        records.append(record)
+    return records
+
+
+def frontier_plot(study: Path, out: Path) -> Path:
+    """Loss against AdamW-HSDP's over "x fewer bytes than dense", the default rule's wires and the sign rule's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = summarize(json.loads((study / "runs.json").read_text()))
+    model = next(m for m, _ in table)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, pick, marker in [
+        ("default rule (orthogonal + adam)", lambda n: n.endswith("_ortho_adam") and "_decay" not in n, "o"),
+        ("update=sign", lambda n: n.startswith("demo") and not n.endswith(("_adam", "_ortho")), "s"),
+        ("SparseLoCo / DiLoCo (sign)", lambda n: n in ("sparseloco", "diloco"), "^"),
+    ]:
+        points = [
+            (row["ratio_to_dense"], 100 * row["vs_adamw"], name.removesuffix("_ortho_adam"))
+            for (m, name), row in table.items()
+            if m == model and pick(name) and "ratio_to_dense" in row and "vs_adamw" in row
+        ]
+        if not points:
+            continue
+        points.sort()
+        xs, ys, names = zip(*points)
+        ax.plot(xs, ys, marker=marker, linestyle="-" if marker == "o" else "none", label=label)
+        for x, y, name in points:
+            ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(0, color="black", linewidth=1)
+    ax.axhline(3, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("x fewer bytes per step than AdamW-HSDP's dense all-reduce (log)")
+    ax.set_ylabel("final validation loss against AdamW-HSDP (%; below 0 is better)")
+    ax.set_title(f"{model}: loss against bytes, 3 seeds, rates swept (the line at +3%: issue 35's bound)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / f"{model}_frontier.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def print_table(records: list[dict]) -> None:
+    print(
+        "| preset | `wire=` | loss vs AdamW-HSDP | steps to its final loss | time to it, x AdamW-HSDP's run: "
+        "100 Mbit/s, 1 Gbit/s | the same steps, x AdamW-HSDP's time: 100 Mbit/s, 1 Gbit/s | faster below |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in records:
+        steps = r["steps_to_adamw_loss"]
+        reached = "not reached" if steps is None else f"{steps} of {r['adamw_steps']}"
+        to_loss = ", ".join(
+            "-" if r[f"x_adamw_time {rate}"] is None else f"{r[f'x_adamw_time {rate}']:.3f}" for rate in RATES
+        )
+        run = ", ".join(f"{r[f'x_adamw_run {rate}']:.3f}" for rate in RATES)
+        print(
+            f"| {r['study']} | `{r['wire']}` | {r['vs_adamw']:+.1%} | {reached} | {to_loss} | {run} "
+            f"| {r['break_even_gbit']:.0f} Gbit/s |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--study", type=Path, nargs="+", required=True, help="quality_study.py output directories")
+    parser.add_argument("--wire_bytes", type=Path, default=ROOT / "benchmarks" / "results" / "wire_presets.json")
+    parser.add_argument("--out", type=Path, required=True, help="where the JSON and the frontier PNGs go")
+    args = parser.parse_args()
+    presets = json.loads(args.wire_bytes.read_text())
+    wire_bytes = {p["wire"]: p["bytes_per_step"] for p in presets["presets"]} | {"dense_bytes": presets["dense_bytes"]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = [r for study in args.study for r in modelled(study, wire_bytes)]
+    for study in args.study:
+        print(f"frontier: {frontier_plot(study, args.out)}")
+    print_table(records)
+    clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in records]
+    (args.out / "time_to_loss.json").write_text(json.dumps(clean, indent=1))
+
+
+if __name__ == "__main__":
+    main()
