@@ -92,9 +92,14 @@ CONFIGS = {
     },
     "sparseloco": ("flexdemo", "scheme=sparseloco,inner_steps=20,topk=64,value_bits=2,pack_indices=true"),
 }
-WIRE_PROBES = {"demo_top128": "topk=128", "demo_top512": "topk=512"}
+WIRE_PROBES = {
+    "demo_top128": "topk=128",
+    "demo_top512": "topk=512",
+    "demo_top32_1bit": "value_bits=1,pack_indices=true",  # about 300x: more coefficients at fewer bits than top 24
+    "demo_top6_1bit": "topk=6,value_bits=1,pack_indices=true",  # about 1200x, against top 4's 1500x
+}
 """Issue 35: more of each tile's coefficients on the wire (DeMo sends 32 of 4,096): how the default rule's loss
-moves between DeMo's wire and the uncompressed one."""
+moves between DeMo's wire and the uncompressed one, and at equal bytes, more coefficients at fewer bits."""
 CONFIGS |= {
     f"{wire}_ortho_adam": ("flexdemo", f"{args},update=orthogonal,elementwise_update=adam")
     for wire, args in WIRE_PROBES.items()
@@ -105,9 +110,10 @@ DeMo does not send waits in the momentum, so the decay bounds how stale the upda
 CONFIGS |= {
     f"{wire}_ortho_adam_decay{decay:g}": (
         "flexdemo",
-        ",".join(filter(None, (SIGN_CONFIGS[wire], "update=orthogonal,elementwise_update=adam", f"decay={decay}"))),
+        ",".join(filter(None, ((SIGN_CONFIGS | WIRE_PROBES)[wire], "update=orthogonal,elementwise_update=adam",
+                               f"decay={decay}"))),
     )
-    for wire in ("demo", "demo_top24_2bit", "demo_aggressive")
+    for wire in ("demo", "demo_top24_2bit", "demo_aggressive", "demo_top6_1bit")
     for decay in MOMENTUM_DECAYS
 }
 
