@@ -496,6 +496,10 @@ encoded = demo_encode(torch.randn(2, 7, 14), torch.randn(plan.rows, plan.cols), 
                       select=True, bits=1, wire_dtype=torch.float32)
 parts = [(encoded.indices, encoded.values), select_topk(torch.randn(plan.rows, plan.cols), plan)]
 sign_decode([torch.zeros(7, 14), torch.zeros(7, 14)], parts, plan, mode="selected", lr=0.1, sign=True)
+from hf_flexdemo.kernels.rule_step import adam_step, add_step
+params = [torch.zeros(7, 14), torch.zeros(7, 14)]
+add_step(params, torch.ones(2, 7, 14), -0.5)
+adam_step(params, torch.ones(2, 7, 14), torch.zeros(2, 7, 14), torch.ones(2), lr=0.1, beta2=0.9, eps=1e-8)
 print("ran")
 """
 

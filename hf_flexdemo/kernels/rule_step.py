@@ -52,11 +52,11 @@ def _rule_step_kernel(
     flat = param.to(tl.int64) * numel + offsets
     step = tl.load(step_ptr + flat, mask=inside, other=0.0).to(tl.float32)
     if ADAM:
-        g = tl.div_rn(step, tl.full((BLOCK,), lr, tl.float32))
+        g = tl.div_rn(step, tl.full((BLOCK,), 0.0, tl.float32) + lr)  # div_rn: two tensors of one shape
         v = tl.load(v_ptr + flat, mask=inside, other=0.0) * beta2 + one_minus_beta2 * g * g
         tl.store(v_ptr + flat, v, mask=inside)
         correction = tl.load(correction_ptr + param)
-        denominator = tl.sqrt_rn(tl.div_rn(v, tl.full((BLOCK,), correction, tl.float32))) + eps
+        denominator = tl.sqrt_rn(tl.div_rn(v, tl.full((BLOCK,), 0.0, tl.float32) + correction)) + eps
         step = tl.div_rn(g, denominator)
     step = round_to_dtype(step, PARAM)
     address = tl.load(table_ptr + param)
