@@ -98,6 +98,7 @@ WIRE_PROBES = {
     "demo_top32_1bit": "value_bits=1,pack_indices=true",  # about 300x: more coefficients at fewer bits than top 24
     "demo_top6_1bit": "topk=6,value_bits=1,pack_indices=true",  # about 1200x, against top 4's 1500x
     "demo_top96_2bit": "topk=96,value_bits=2,pack_indices=true",  # DeMo's default bytes (0.9x), 3x its coefficients
+    "demo_top26_1bit": "topk=26,value_bits=1,pack_indices=true",  # top 24 at 2 bits' bytes (318x-347x), 2 more
 }
 """Issue 35: more of each tile's coefficients on the wire (DeMo sends 32 of 4,096): how the default rule's loss
 moves between DeMo's wire and the uncompressed one, and at equal bytes, more coefficients at fewer bits."""
