@@ -88,7 +88,7 @@ def modelled(study: Path, wire_bytes: dict) -> list[dict]:
     return records
 
 
-def frontier_plot(study: Path, out: Path) -> Path:
+def frontier_plot(study: Path, out: Path, runs_note: str = "3 seeds, rates swept") -> Path:
     """Loss against AdamW-HSDP's over "x fewer bytes than dense", the default rule's wires and the sign rule's."""
     import matplotlib
 
@@ -100,7 +100,8 @@ def frontier_plot(study: Path, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, pick, marker in [
         ("default rule (orthogonal + adam)", lambda n: n.endswith("_ortho_adam") and "_decay" not in n, "o"),
-        ("update=sign", lambda n: n.startswith("demo") and not n.endswith(("_adam", "_ortho")), "s"),
+        ("default rule, another decay", lambda n: "_ortho_adam_decay" in n, "x"),
+        ("update=sign", lambda n: n.startswith("demo") and "_ortho" not in n and not n.endswith("_adam"), "s"),
         ("SparseLoCo / DiLoCo (sign)", lambda n: n in ("sparseloco", "diloco"), "^"),
     ]:
         points = [
@@ -120,7 +121,7 @@ def frontier_plot(study: Path, out: Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("x fewer bytes per step than AdamW-HSDP's dense all-reduce (log)")
     ax.set_ylabel("final validation loss against AdamW-HSDP (%; below 0 is better)")
-    ax.set_title(f"{model}: loss against bytes, 3 seeds, rates swept (the line at +3%: issue 35's bound)")
+    ax.set_title(f"{model}: loss against bytes, {runs_note} (dotted: +3%, issue 35's bound)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / f"{model}_frontier.png"
