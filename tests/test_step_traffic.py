@@ -1,9 +1,10 @@
 """Bytes a step reads and writes per parameter, counted on CPU by ``benchmarks/step_traffic.py``'s dispatch mode.
 
 The counter is checked on hand-made operations and on fused AdamW, whose traffic is known; then the
-torch path of ``update="sign"`` is held to a budget, and the fused path (``kernels="triton"``) of ``sign`` and of
-the default rule (outside Newton-Schulz) to their targets. Bytes per parameter hardly depend on the layout (OLMo2 at 2 layers, width 128 here;
-BENCHMARKS.md lists 16 layers at width 256), except at the smallest widths for the fused path.
+torch path of ``update="sign"`` is held to a budget, and the fused path (``kernels="triton"``) of ``sign``
+and of the default rule (outside Newton-Schulz) to their targets. Bytes per parameter hardly depend on the
+layout (OLMo2 at 2 layers, width 128 here; BENCHMARKS.md lists 16 layers at width 256), except at the
+smallest widths for the fused path.
 """
 
 from __future__ import annotations
