@@ -51,6 +51,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hf_flexdemo.config import WIRE_PRESETS
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "accelerate_configs" / "cpu_2x2.yaml"
 RATES = {"100mbit": 100e6, "1gbit": 1e9}
@@ -99,6 +101,8 @@ WIRE_PROBES = {
     "demo_top6_1bit": "topk=6,value_bits=1,pack_indices=true",  # about 1200x, against top 4's 1500x
     "demo_top96_2bit": "topk=96,value_bits=2,pack_indices=true",  # DeMo's default bytes (0.9x), 3x its coefficients
     "demo_top26_1bit": "topk=26,value_bits=1,pack_indices=true",  # top 24 at 2 bits' bytes (318x-347x), 2 more
+    # Elias-Fano indices (9 bits each): top 24 at 2 bits' bytes with fixed-width indices
+    "demo_top32_1bit_ef": "value_bits=1,pack_indices=true,index_coding=elias_fano",
 }
 """Issue 35: more of each tile's coefficients on the wire (DeMo sends 32 of 4,096): how the default rule's loss
 moves between DeMo's wire and the uncompressed one, and at equal bytes, more coefficients at fewer bits."""
@@ -106,6 +110,13 @@ CONFIGS |= {
     f"{wire}_ortho_adam": ("flexdemo", f"{args},update=orthogonal,elementwise_update=adam")
     for wire, args in WIRE_PROBES.items()
 }
+CONFIGS |= {
+    f"wire_{preset}_ortho_adam": ("flexdemo", f"wire={preset},update=orthogonal,elementwise_update=adam")
+    for preset in WIRE_PRESETS
+}
+"""The ``wire=`` presets as a user names them. Those that code indices in Elias-Fano send the same coefficients
+as their fixed-width twins above (``demo_2bit_ortho_adam`` for ``wire=2bit``), so their runs are the twins' runs
+in fewer bytes; ``--wire_bytes`` measures those bytes without training."""
 MOMENTUM_DECAYS = (0.99, 0.95, 0.9)
 """Issue 35: the momentum's ``decay`` with the default rule (DeMo's 0.999 was tuned for the sign rule). An entry
 DeMo does not send waits in the momentum, so the decay bounds how stale the update's entries are."""
@@ -115,7 +126,7 @@ CONFIGS |= {
         ",".join(filter(None, ((SIGN_CONFIGS | WIRE_PROBES)[wire], "update=orthogonal,elementwise_update=adam",
                                f"decay={decay}"))),
     )
-    for wire in ("demo", "demo_top24_2bit", "demo_aggressive", "demo_top6_1bit")
+    for wire in ("demo", "demo_2bit", "demo_top24_2bit", "demo_aggressive", "demo_top6_1bit")
     for decay in MOMENTUM_DECAYS
 }
 
@@ -311,6 +322,34 @@ def retime(args, runs: Runs) -> None:
                 print(f"timing {args.model} {name} lr={lr:g} #{rep}: {item['step_s']:.3f} s/step", flush=True)
 
 
+def wire_bytes(args) -> None:
+    """``--wire_bytes``: each configuration's bytes per step from a 3-step run (no evaluations, any rate), without
+    the first step's one-off start check: ``<out>/wire_bytes.json``."""
+    path = args.out / "wire_bytes.json"
+    measured = json.loads(path.read_text()) if path.exists() else {}
+    base = base_model(args.out) if "{base}" in PRESETS[args.model][1] else None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.configs:
+            if name in measured:
+                continue
+            optim, optim_args = CONFIGS[name]
+            out = Path(tmp) / name
+            script, flags = PRESETS[args.model]
+            cmd = ["--max_steps", "3", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no"]
+            cmd += ["--report_to", "none", "--optim", optim, *[flag.format(base=base) for flag in flags]]
+            launch(script, cmd + (["--optim_args", optim_args] if optim_args else []), out)
+            history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+            sent = {h["step"]: h for h in history if "flexdemo/bytes_sent" in h}
+            measured[name] = {
+                "bytes_per_step": (sent[3]["flexdemo/bytes_sent"] - sent[1]["flexdemo/bytes_sent"]) / 2,
+                "dense_bytes_per_step": (sent[3]["flexdemo/dense_bytes"] - sent[1]["flexdemo/dense_bytes"]) / 2,
+            }
+            path.write_text(json.dumps(measured, indent=1))
+            row = measured[name]
+            print(f"{args.model} {name}: {row['bytes_per_step']:,.0f} bytes per step, "
+                  f"{row['dense_bytes_per_step'] / row['bytes_per_step']:.0f}x fewer than dense", flush=True)  # fmt: skip
+
+
 def swept_rates(model: str, name: str, items: list[dict], steps: int) -> tuple[float, ...]:
     """The rates ``name`` runs on seed 0: its sweep, or the rate its rule chose on DeMo's default wire."""
     chooser = "demo_ortho_adam" if name in AT_ORTHO_ADAMS_RATE else AT_DEMOS_RULE_RATE.get(name)
@@ -483,11 +522,15 @@ def main() -> None:
         help="after the study, time each of --configs N times at its chosen rate, in turns (timings.json)",
     )
     parser.add_argument("--retime_steps", type=int, default=40, help="steps of each timing run")
+    parser.add_argument("--wire_bytes", action="store_true", help="only measure --configs' bytes per step")
     args = parser.parse_args()
     args.rates = {k: tuple(float(v) for v in lrs.split(":")) for k, _, lrs in (r.partition("=") for r in args.rates)}
     check_plotting()
     if args.report:
         report(args.report)
+        return
+    if args.wire_bytes:
+        wire_bytes(args)
         return
     study(args)
     if args.retime:

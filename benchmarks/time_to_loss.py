@@ -34,8 +34,9 @@ from quality_study import mean_curve, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 RATES = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9}
-PRESET_CONFIGS = {  # wire= preset: the study's configuration with the default rule
+PRESET_CONFIGS = {  # wire= preset: the study's configuration with the default rule (the same coefficients)
     "demo": "demo_ortho_adam",
+    "top96_2bit": "demo_top96_2bit_ortho_adam",
     "2bit": "demo_2bit_ortho_adam",
     "top24_2bit": "demo_top24_2bit_ortho_adam",
     "top16_2bit": "demo_top16_2bit_ortho_adam",
@@ -116,6 +117,12 @@ def frontier_plot(study: Path, out: Path, runs_note: str = "3 seeds, rates swept
         ax.plot(xs, ys, marker=marker, linestyle="-" if marker == "o" else "none", label=label)
         for x, y, name in points:
             ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    presets = preset_points(study, table, model)
+    if presets:
+        xs, ys, names = zip(*presets)
+        ax.plot(xs, ys, marker="D", linestyle="--", label="wire= presets (Elias-Fano indices: same loss, fewer bytes)")
+        for x, y, name in presets:
+            ax.annotate(name, (x, y), fontsize=7, xytext=(3, -9), textcoords="offset points")
     ax.axhline(0, color="black", linewidth=1)
     ax.axhline(3, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xscale("log")
@@ -128,6 +135,19 @@ def frontier_plot(study: Path, out: Path, runs_note: str = "3 seeds, rates swept
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def preset_points(study: Path, table: dict, model: str) -> list[tuple[float, float, str]]:
+    """Each ``wire=`` preset at its own bytes (``quality_study.py --wire_bytes``) and its twin's loss: a preset
+    sends its twin's coefficients, so the twin's runs are its runs (bitwise: tests/test_optimizer_single.py)."""
+    path = study / "wire_bytes.json"
+    measured = json.loads(path.read_text()) if path.exists() else {}
+    points = []
+    for preset, config in PRESET_CONFIGS.items():
+        sent, row = measured.get(f"wire_{preset}_ortho_adam"), table.get((model, config))
+        if sent and row and "vs_adamw" in row:
+            points.append((sent["dense_bytes_per_step"] / sent["bytes_per_step"], 100 * row["vs_adamw"], preset))
+    return sorted(points)
 
 
 def print_table(records: list[dict]) -> None:

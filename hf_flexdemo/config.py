@@ -40,16 +40,27 @@ JOIN_QUORUM = ("before_forward", "when_ready")
 OUTER_STEP_SCHEMES = ("diloco", "sparseloco")
 """Schemes with DiLoCo's local inner AdamW steps and an outer step every ``inner_steps``."""
 TOPK_SCHEMES = ("demo", "sparseloco")
-"""Schemes that send each tile's top-k entries: the ones ``value_bits`` and ``pack_indices`` apply to."""
+"""Schemes that send each tile's top-k entries: the ones ``value_bits``, ``pack_indices`` and ``index_coding``
+apply to."""
+INDEX_CODINGS = ("fixed", "elias_fano")
+
+
+def _packed(topk: int, value_bits: int) -> dict[str, Any]:
+    """A preset's knobs: the indices in Elias-Fano code, which sends the same indices in fewer bits."""
+    return {"topk": topk, "value_bits": value_bits, "pack_indices": True, "index_coding": "elias_fano"}
+
+
 WIRE_PRESETS: dict[str, dict[str, Any]] = {
-    "demo": {"topk": 32, "value_bits": 0, "pack_indices": False},
-    "2bit": {"topk": 32, "value_bits": 2, "pack_indices": True},
-    "top24_2bit": {"topk": 24, "value_bits": 2, "pack_indices": True},
-    "top16_2bit": {"topk": 16, "value_bits": 2, "pack_indices": True},
-    "top4_1bit": {"topk": 4, "value_bits": 1, "pack_indices": True},
+    "demo": {"topk": 32, "value_bits": 0, "pack_indices": False, "index_coding": "fixed"},
+    "top96_2bit": _packed(96, 2),
+    "2bit": _packed(32, 2),
+    "top24_2bit": _packed(24, 2),
+    "top16_2bit": _packed(16, 2),
+    "top4_1bit": {"topk": 4, "value_bits": 1, "pack_indices": True, "index_coding": "fixed"},  # no gain at 4
 }
 """``wire=NAME``: the measured wire formats, from DeMo's own (fp32 values, 16-bit indices) to the most compressed.
 Their bytes and loss: docs/update-rules.md, "Choosing a wire format"."""
+WIRE_KNOBS = "topk, value_bits, pack_indices and index_coding"
 ROUNDINGS = ("nearest", "stochastic")
 UPDATE_RULES = ("sign", "adam", "orthogonal")
 """How the decoded update becomes a parameter step (:mod:`hf_flexdemo.updates`)."""
@@ -158,14 +169,22 @@ class FlexDeMoConfig:
     wire: str | None = field(
         default=None,
         metadata={
-            "help": f"demo: a measured wire format by name, one of {sorted(WIRE_PRESETS)}; it sets topk, value_bits "
-            "and pack_indices (a knob also given must agree with it). Unset: the knobs as given."
+            "help": f"demo: a measured wire format by name, one of {sorted(WIRE_PRESETS)}; it sets {WIRE_KNOBS} "
+            "(a knob also given must agree with it). Unset: the knobs as given."
         },
     )
     pack_indices: bool = field(
         default=False,
         metadata={
             "help": "demo, sparseloco: send each index in the bits a tile position needs (12 for 64x64), not 16."
+        },
+    )
+    index_coding: str = field(
+        default="fixed",
+        metadata={
+            "help": "demo, sparseloco, with pack_indices=True: 'fixed' gives every index the same bits; "
+            "'elias_fano' codes each tile's ascending indices in at most 2 + log2(tile / topk) bits each (9 for "
+            "top 32 of 64x64, 7.3 for top 96): the same indices, fewer bytes."
         },
     )
     shared_indices: bool = field(
@@ -278,6 +297,7 @@ class FlexDeMoConfig:
             )
         if self.shared_indices:
             self._check_shared_indices()
+        self._check_index_coding()
         _check_choice("kernels", self.kernels, KERNELS)
         if self.kernels != "torch":
             check_kernel_settings(scheme=self.scheme, shared_indices=self.shared_indices, chunk=self.chunk)
@@ -331,7 +351,7 @@ class FlexDeMoConfig:
         if self.scheme != "demo":
             raise ValueError(
                 f"FlexDeMo: wire={self.wire!r} names a format of scheme='demo', not scheme={self.scheme!r}; drop wire, "
-                "or set the scheme's own knobs (topk, value_bits, pack_indices)."
+                f"or set the scheme's own knobs ({WIRE_KNOBS})."
             )
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for key, value in WIRE_PRESETS[self.wire].items():
@@ -339,7 +359,7 @@ class FlexDeMoConfig:
             if given != defaults[key] and given != value:
                 raise ValueError(
                     f"FlexDeMo: wire={self.wire!r} sets {key}={value}, but {key}={given} is given too; drop {key} to "
-                    f"use the preset, or drop wire and set topk, value_bits and pack_indices yourself."
+                    f"use the preset, or drop wire and set {WIRE_KNOBS} yourself."
                 )
             setattr(self, key, value)
 
@@ -362,6 +382,22 @@ class FlexDeMoConfig:
             raise ValueError(
                 f"FlexDeMo: elementwise_update={self.elementwise_update!r} applies to update='orthogonal' (the rule "
                 f"of the tensors it does not orthogonalize), but update is {self.update!r}{why}; {fix}"
+            )
+
+    def _check_index_coding(self) -> None:
+        _check_choice("index_coding", self.index_coding, INDEX_CODINGS)
+        if self.index_coding == "fixed":
+            return
+        if self.scheme not in TOPK_SCHEMES or self.shared_indices:
+            where = "shared_indices=True (one index set, summed)" if self.shared_indices else f"scheme={self.scheme!r}"
+            raise ValueError(
+                f"FlexDeMo: index_coding={self.index_coding!r} codes the indices of the top-k schemes {TOPK_SCHEMES} "
+                f"without shared_indices, so with {where} it would be ignored; drop index_coding."
+            )
+        if not self.pack_indices:
+            raise ValueError(
+                f"FlexDeMo: index_coding={self.index_coding!r} writes the indices as bit fields, but "
+                "pack_indices=False asks for 16-bit ones; set pack_indices=True as well (or pick a wire= preset)."
             )
 
     def _check_shared_indices(self) -> None:
@@ -403,6 +439,7 @@ class FlexDeMoConfig:
             keys += ["rate"] if self.scheme in SUBSET_SCHEMES else []
             keys += ["value_dtype", "replicate_every"] if self.scheme != "none" else []  # none sends nothing
         keys += [key for key in ("overlap", "value_bits", "pack_indices", "shared_indices") if getattr(self, key)]
+        keys += ["index_coding"] if self.index_coding != "fixed" else []
         if self.rounding != "nearest":
             keys.append("rounding")
         if self.kernels != "torch":
@@ -460,7 +497,7 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
         if key in preset and value != preset[key]:
             raise ValueError(
                 f"FlexDeMo optim_args: wire={values['wire']} sets {key}={preset[key]}, but {key}={value} is given too; "
-                f"drop {key} to use the preset, or drop wire and set topk, value_bits and pack_indices yourself."
+                f"drop {key} to use the preset, or drop wire and set {WIRE_KNOBS} yourself."
             )
     return values
 

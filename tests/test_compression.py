@@ -9,6 +9,7 @@ import torch
 
 from hf_flexdemo.compression import (
     ChunkPlan,
+    EliasFano,
     dct_matrix,
     decode_replicas,
     dequantize_tiles,
@@ -130,6 +131,27 @@ def test_bit_packing_round_trips_at_the_width_a_tile_needs(tile_size):
     packed = pack_bits(values, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(37, bits) == -(-37 * bits // 8)
     assert torch.equal(unpack_bits(packed, bits, 37), values)
+
+
+@pytest.mark.parametrize(
+    ("tile_size", "k"), [(4096, 32), (4096, 24), (4096, 96), (4096, 1), (4096, 4096), (4095, 4094), (63, 7), (1, 1)]
+)
+def test_elias_fano_indices_round_trip_in_at_most_2_plus_log2_of_tile_over_k_bits_each(tile_size, k):
+    code = EliasFano(k, tile_size)
+    g = torch.Generator().manual_seed(tile_size + k)
+    indices = torch.stack([torch.randperm(tile_size, generator=g)[:k].sort().values for _ in range(37)])
+    indices[0] = torch.arange(tile_size - k, tile_size)  # the last positions: the highest bits of the vector
+    indices[1] = torch.arange(k)
+    streams = code.encode(indices)
+    assert all(s.dtype == torch.uint8 for s in streams)
+    assert sum(s.numel() for s in streams) == packed_nbytes(37 * k, code.low_bits) + packed_nbytes(37, code.vector_bits)
+    assert code.bits_per_tile <= k * (2 + math.log2(tile_size / k))
+    assert torch.equal(code.decode(*streams, 37), indices)
+
+
+def test_elias_fano_sends_32_of_4096_positions_in_9_bits_each_and_96_in_7_and_a_third():
+    assert EliasFano(32, 4096).bits_per_tile == 32 * 9  # fixed width: 12
+    assert EliasFano(96, 4096).bits_per_tile == 96 * 7 + 32
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])

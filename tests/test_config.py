@@ -39,6 +39,10 @@ BAD = [
     (dict(shared_indices=True, value_bits=1), "value_bits=1", "all-reduce"),
     (dict(shared_indices=True, value_dtype="bf16"), "value_dtype='bf16'", "float32"),
     (dict(shared_indices=True, pack_indices=True), "pack_indices=True", "Set pack_indices=False"),
+    (dict(index_coding="huffman"), "index_coding='huffman'", "'fixed', 'elias_fano'"),
+    (dict(index_coding="elias_fano"), "index_coding='elias_fano'", "set pack_indices=True as well"),
+    (dict(scheme="random", index_coding="elias_fano"), "index_coding='elias_fano'", "drop index_coding"),
+    (dict(shared_indices=True, index_coding="elias_fano"), "shared_indices=True (one index set", "drop index_coding"),
     (dict(ns_dtype="fp16"), "ns_dtype='fp16'", "'bf16', 'float32'"),
     (dict(update="sign", ns_dtype="float32"), "ns_dtype='float32'", "update='orthogonal'"),
     (dict(update="sign", ns_dtype="bf16"), "ns_dtype='bf16'", "update='orthogonal'"),
@@ -168,7 +172,7 @@ def test_a_wire_preset_sets_its_knobs_and_refuses_a_knob_that_disagrees():
     # In optim_args a knob given at its default is still given: refused, not silently replaced.
     with pytest.raises(ValueError, match=r"wire=top16_2bit sets topk=16, but topk=32 is given too"):
         parse_optim_args("wire=top16_2bit,topk=32")
-    with pytest.raises(ValueError, match=r"wire='fast' is invalid; wire must be one of \('demo', '2bit'"):
+    with pytest.raises(ValueError, match=r"wire='fast' is invalid; wire must be one of \('demo', 'top96_2bit', '2bit'"):
         FlexDeMoConfig(wire="fast")
     with pytest.raises(ValueError, match=r"wire='2bit' names a format of scheme='demo', not scheme='diloco'"):
         FlexDeMoConfig(wire="2bit", scheme="diloco")

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.multiprocess
 
 SYNCING = ("demo", "random", "striding", "full", "diloco", "sparseloco")
 SYNCING += ("demo_1bit_packed", "demo_4bit", "demo_2bit_stochastic", "sparseloco_2bit_packed", "demo_shared")
+SYNCING += ("demo_2bit_elias_fano",)
 UPDATE_RULES = ("demo_adam", "demo_ortho", "full_ortho", "full_adam", "demo_ortho_adam")
 SYNCING += UPDATE_RULES
 ALL = (*SYNCING, "none")
@@ -95,7 +96,7 @@ def test_dense_all_reduce_counterfactual_and_compression(ranks):
 
 @pytest.mark.parametrize(
     "config",
-    ["demo", "demo_sign_mean", "demo_packed", "demo_every2", "random", "striding", "full", "none", "diloco"]
+    ["demo", "demo_sign_mean", "demo_packed", "demo_elias_fano", "demo_every2", "random", "striding", "full", "none", "diloco"]
     + ["demo_adam", "full_adam", "demo_ortho", "full_ortho", "demo_ortho_adam"],
 )
 def test_sharded_replicas_match_the_one_process_reference(ranks, config):

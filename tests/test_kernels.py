@@ -239,6 +239,7 @@ def test_sign_false_decode_kernel_applies_the_update_itself(dtype, mode):
         dict(value_bits=1, pack_indices=True),
         dict(value_bits=2, rounding="stochastic"),
         dict(value_bits=4, pack_indices=True),
+        dict(value_bits=2, pack_indices=True, index_coding="elias_fano"),
         dict(value_bits=8),
     ],
     ids=str,

@@ -170,6 +170,24 @@ def test_packed_indices_take_12_bits_each_for_64x64_tiles():
     assert values.shape == (plan.n_tiles, 32)
 
 
+def test_elias_fano_indices_take_9_bits_each_for_top_32_of_64x64_tiles_and_change_no_step():
+    """The same indices in fewer bytes: three steps end bitwise where fixed-width indices do."""
+    plan = ChunkPlan.for_shape((128, 64), 64, 32)
+    ctx = StepContext(step=1, replicate=True, replicas=1)
+    ends = []
+    for coding in ("fixed", "elias_fano"):
+        p = torch.nn.Parameter(torch.randn(128, 64, generator=torch.Generator().manual_seed(0)))
+        p.grad = torch.randn(128, 64, generator=torch.Generator().manual_seed(1))
+        opt = FlexDeMo([p], pack_indices=True, index_coding=coding, value_bits=2, elementwise=[])
+        payload = DeMoScheme(opt.config).local_step(one_bucket(p, opt), ctx)
+        index_bytes = sum(t.numel() for t in payload[: 1 if coding == "fixed" else 2])
+        assert index_bytes == plan.n_tiles * 32 * (12 if coding == "fixed" else 9) // 8
+        for _ in range(3):
+            opt.step()
+        ends.append(p.detach().clone())
+    assert torch.equal(*ends)
+
+
 def test_replicate_every_accumulates_without_moving_parameters():
     params = make_params()
     opt = FlexDeMo(params, **{**SMALL, "replicate_every": 3, "weight_decay": 0.0})

@@ -111,6 +111,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         value_bits: int = 0,
         wire: str | None = None,
         pack_indices: bool = False,
+        index_coding: str = "fixed",
         rounding: str = "nearest",
         shared_indices: bool = False,
         kernels: str = "torch",

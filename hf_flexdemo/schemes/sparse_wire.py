@@ -1,4 +1,4 @@
-"""How a tile-wise top-k selection travels: indices (16-bit or bit-packed) and values (low-bit or not).
+"""How a tile-wise top-k selection travels: indices (16-bit, bit-packed or Elias-Fano) and values (low-bit or not).
 
 Shared by the schemes that send each tile's ``k`` largest entries (``demo`` in the DCT
 domain, ``sparseloco`` in the parameter's own): what a replica sends, what every receiver
@@ -12,6 +12,7 @@ import torch
 
 from ..compression import (
     ChunkPlan,
+    EliasFano,
     dequantize_codes,
     dequantize_tiles,
     index_bits_for,
@@ -37,7 +38,7 @@ class TopKWire:
             codes, scale = quantize_codes(values, bits, noise=self.noise(values.shape, values.device, generator))
             return self.pack(indices, None, codes, scale, plan, value_dtype), dequantize_codes(codes, scale, bits)
         sent = self.pack(indices, values, None, None, plan, value_dtype)
-        return sent, sent[1]
+        return sent, sent[-1]  # the values, after the indices
 
     def noise(self, shape: tuple[int, ...], device: torch.device, generator=None) -> torch.Tensor | None:
         """Stochastic rounding's draws for ``(n_tiles, k)`` values, uniform in [0, 1); None when rounding to nearest."""
@@ -58,14 +59,20 @@ class TopKWire:
         unpacked ``codes`` packed and their ``scale``."""
         bits = self.config.value_bits
         sent = [pack_bits(codes, bits), scale] if bits else [values.to(value_dtype)]
+        if self.config.index_coding == "elias_fano":
+            return [*EliasFano(plan.k, plan.tile_size).encode(indices), *sent]
         if self.config.pack_indices:
             return [pack_bits(indices, index_bits_for(plan.tile_size)), *sent]
         return [indices.to(plan.index_dtype), *sent]
 
     def read(self, part: list[torch.Tensor], plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """One replica's ``(indices, values)`` back from what it sent."""
-        indices, *sent = part
-        if self.config.pack_indices:
+        if self.config.index_coding == "elias_fano":
+            lows, vector, *sent = part
+            indices = EliasFano(plan.k, plan.tile_size).decode(lows, vector, plan.n_tiles)
+        else:
+            indices, *sent = part
+        if self.config.pack_indices and self.config.index_coding == "fixed":
             count = plan.n_tiles * plan.k
             indices = unpack_bits(indices, index_bits_for(plan.tile_size), count).view(plan.n_tiles, plan.k)
         if self.config.value_bits:

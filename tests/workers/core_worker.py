@@ -40,7 +40,8 @@ VARIANTS = {  # wire formats of the top-k schemes, run like the schemes
     "demo_1bit_packed": dict(scheme="demo", value_bits=1, pack_indices=True),
     "demo_4bit": dict(scheme="demo", value_bits=4),
     "demo_2bit_stochastic": dict(scheme="demo", value_bits=2, rounding="stochastic"),
-    "sparseloco_2bit_packed": dict(scheme="sparseloco", value_bits=2, pack_indices=True),
+    "sparseloco_2bit_packed": dict(scheme="sparseloco", value_bits=2, pack_indices=True, index_coding="elias_fano"),
+    "demo_2bit_elias_fano": dict(scheme="demo", topk=16, value_bits=2, pack_indices=True, index_coding="elias_fano"),
     "demo_shared": dict(scheme="demo", shared_indices=True),
     # Update rules (hf_flexdemo.updates): the same wire, another step.
     "demo_adam": dict(scheme="demo", update="adam"),
@@ -78,7 +79,7 @@ def check_schemes(mesh, coords, spy) -> dict:
     out = {}
     for scheme, kwargs in [*((name, {"scheme": name}) for name in SCHEMES), *VARIANTS.items()]:
         model = build(mesh)
-        opt = FlexDeMo(model.parameters(), lr=1e-2, weight_decay=0.01, mesh=mesh, **SMALL, **kwargs)
+        opt = FlexDeMo(model.parameters(), lr=1e-2, weight_decay=0.01, mesh=mesh, **{**SMALL, **kwargs})
         per_step, losses = [], []
         for step in range(20):
             x, y = batch(*coords, step)
@@ -121,6 +122,7 @@ def check_oracle(mesh, coords) -> dict:
         "demo": dict(scheme="demo", sign=False),
         "demo_sign_mean": dict(scheme="demo", sign=True, decode="mean", update="sign"),
         "demo_packed": dict(scheme="demo", sign=False, pack_indices=True),  # a wire format: same results
+        "demo_elias_fano": dict(scheme="demo", sign=False, topk=16, pack_indices=True, index_coding="elias_fano"),
         "demo_every2": dict(scheme="demo", sign=False, replicate_every=2),
         "random": dict(scheme="random", sign=False),
         "striding": dict(scheme="striding", sign=False),
