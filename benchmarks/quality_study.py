@@ -103,6 +103,11 @@ WIRE_PROBES = {
     "demo_top26_1bit": "topk=26,value_bits=1,pack_indices=true",  # top 24 at 2 bits' bytes (318x-347x), 2 more
     # Elias-Fano indices (9 bits each): top 24 at 2 bits' bytes with fixed-width indices
     "demo_top32_1bit_ef": "value_bits=1,pack_indices=true,index_coding=elias_fano",
+    # 128 x 128 tiles at 2 bits, the same density (128 of 16,384): one scale per 4 of today's tiles, and the
+    # top-k drawn over a larger area (towards top-k per matrix); 0.94x `2bit`'s bytes with Elias-Fano
+    "demo_top128_chunk128_2bit_ef": "topk=128,chunk=128,value_bits=2,pack_indices=true,index_coding=elias_fano",
+    # The most coefficients at 2 bits within the default wire's bytes (1,520 of its 1,536 bits a tile)
+    "demo_top176_2bit_ef": "topk=176,value_bits=2,pack_indices=true,index_coding=elias_fano",
 }
 """Issue 35: more of each tile's coefficients on the wire (DeMo sends 32 of 4,096): how the default rule's loss
 moves between DeMo's wire and the uncompressed one, and at equal bytes, more coefficients at fewer bits."""
