@@ -30,12 +30,13 @@ import json
 import math
 from pathlib import Path
 
-from quality_study import mean_curve, summarize
+from quality_study import CONFIGS, mean_curve, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 RATES = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9}
 PRESET_CONFIGS = {  # wire= preset: the study's configuration with the default rule (the same coefficients)
     "demo": "demo_ortho_adam",
+    "top128_4bit": "demo_top128_4bit_ef_ortho_adam",
     "top96_2bit": "demo_top96_2bit_ortho_adam",
     "2bit": "demo_2bit_ortho_adam",
     "top24_2bit": "demo_top24_2bit_ortho_adam",
@@ -145,8 +146,12 @@ def preset_points(study: Path, table: dict, model: str) -> list[tuple[float, flo
     points = []
     for preset, config in PRESET_CONFIGS.items():
         sent, row = measured.get(f"wire_{preset}_ortho_adam"), table.get((model, config))
-        if sent and row and "vs_adamw" in row:
+        if not row or "vs_adamw" not in row:
+            continue
+        if sent:
             points.append((sent["dense_bytes_per_step"] / sent["bytes_per_step"], 100 * row["vs_adamw"], preset))
+        elif "index_coding=elias_fano" in CONFIGS[config][1] and "ratio_to_dense" in row:  # its runs are the preset's
+            points.append((row["ratio_to_dense"], 100 * row["vs_adamw"], preset))
     return sorted(points)
 
 

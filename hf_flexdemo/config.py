@@ -52,6 +52,7 @@ def _packed(topk: int, value_bits: int) -> dict[str, Any]:
 
 WIRE_PRESETS: dict[str, dict[str, Any]] = {
     "demo": {"topk": 32, "value_bits": 0, "pack_indices": False, "index_coding": "fixed"},
+    "top128_4bit": _packed(128, 4),  # 4x DeMo's coefficients in 0.94x its bytes
     "top96_2bit": _packed(96, 2),
     "2bit": _packed(32, 2),
     "top24_2bit": _packed(24, 2),
