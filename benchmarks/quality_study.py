@@ -110,6 +110,8 @@ WIRE_PROBES = {
     "demo_top176_2bit_ef": "topk=176,value_bits=2,pack_indices=true,index_coding=elias_fano",
     # Top 128 at 4 bits, within the default wire's bytes (1,440 of its 1,536 bits a tile): top 128's fp32 loss?
     "demo_top128_4bit_ef": "topk=128,value_bits=4,pack_indices=true,index_coding=elias_fano",
+    # At 2bit's bytes (376 of its 384 bits a tile): fewer coefficients at 4 bits instead of 32 at 2
+    "demo_top26_4bit_ef": "topk=26,value_bits=4,pack_indices=true,index_coding=elias_fano",
 }
 """Issue 35: more of each tile's coefficients on the wire (DeMo sends 32 of 4,096): how the default rule's loss
 moves between DeMo's wire and the uncompressed one, and at equal bytes, more coefficients at fewer bits."""
