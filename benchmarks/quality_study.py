@@ -254,7 +254,8 @@ def run(
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     train = next(h for h in history if "train_runtime" in h)
     if timing:
-        return {"model": model, "config": name, "lr": lr, "steps": steps, "step_s": train["train_runtime"] / steps}
+        timed = {"model": model, "config": name, "lr": lr, "steps": steps, "step_s": train["train_runtime"] / steps}
+        return timed | steady_bytes(history)
     evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h and h["step"] <= steps]
     logged = [h for h in history if "flexdemo/bytes_sent" in h]
     result = {
@@ -270,6 +271,19 @@ def run(
         result["bytes_per_step"] = last["flexdemo/bytes_sent"] / last["step"]
         result["dense_bytes_per_step"] = last["flexdemo/dense_bytes"] / last["step"]
     return result
+
+
+def steady_bytes(history: list[dict]) -> dict:
+    """Bytes per step after the first (which also carries the one-off start check), from a run logged every
+    step; empty for a run that logged no bytes or fewer than two steps."""
+    sent = [h for h in history if "flexdemo/bytes_sent" in h]
+    if len(sent) < 2 or sent[-1]["step"] - sent[0]["step"] != len(sent) - 1:
+        return {}
+    first, last, steps = sent[0], sent[-1], len(sent) - 1
+    return {
+        "bytes_per_step": (last["flexdemo/bytes_sent"] - first["flexdemo/bytes_sent"]) / steps,
+        "dense_bytes_per_step": (last["flexdemo/dense_bytes"] - first["flexdemo/dense_bytes"]) / steps,
+    }
 
 
 class Runs:
@@ -341,18 +355,8 @@ def wire_bytes(args) -> None:
         for name in args.configs:
             if name in measured:
                 continue
-            optim, optim_args = CONFIGS[name]
-            out = Path(tmp) / name
-            script, flags = PRESETS[args.model]
-            cmd = ["--max_steps", "3", "--logging_steps", "1", "--eval_strategy", "no", "--save_strategy", "no"]
-            cmd += ["--report_to", "none", "--optim", optim, *[flag.format(base=base) for flag in flags]]
-            launch(script, cmd + (["--optim_args", optim_args] if optim_args else []), out)
-            history = json.loads((out / "trainer_state.json").read_text())["log_history"]
-            sent = {h["step"]: h for h in history if "flexdemo/bytes_sent" in h}
-            measured[name] = {
-                "bytes_per_step": (sent[3]["flexdemo/bytes_sent"] - sent[1]["flexdemo/bytes_sent"]) / 2,
-                "dense_bytes_per_step": (sent[3]["flexdemo/dense_bytes"] - sent[1]["flexdemo/dense_bytes"]) / 2,
-            }
+            timed = run(args.model, name, 1e-3, 0, 3, Path(tmp), args.batch, base, timing=True)
+            measured[name] = {key: timed[key] for key in ("bytes_per_step", "dense_bytes_per_step")}
             path.write_text(json.dumps(measured, indent=1))
             row = measured[name]
             print(f"{args.model} {name}: {row['bytes_per_step']:,.0f} bytes per step, "

@@ -70,11 +70,12 @@ class TopKWire:
         if self.config.index_coding == "elias_fano":
             lows, vector, *sent = part
             indices = EliasFano(plan.k, plan.tile_size).decode(lows, vector, plan.n_tiles)
+        elif self.config.pack_indices:
+            packed, *sent = part
+            count = plan.n_tiles * plan.k
+            indices = unpack_bits(packed, index_bits_for(plan.tile_size), count).view(plan.n_tiles, plan.k)
         else:
             indices, *sent = part
-        if self.config.pack_indices and self.config.index_coding == "fixed":
-            count = plan.n_tiles * plan.k
-            indices = unpack_bits(indices, index_bits_for(plan.tile_size), count).view(plan.n_tiles, plan.k)
         if self.config.value_bits:
             codes, scale = sent
             return indices, dequantize_tiles(codes, scale, self.config.value_bits, plan.k)
