@@ -50,9 +50,9 @@ def test_each_scheme_lowers_the_loss(ranks, scheme):
 def test_counters_equal_the_bytes_put_on_the_wire(ranks, scheme):
     for rank in ranks:
         steps = rank["schemes"][scheme]["per_step"]
-        # Step 1 also carries the one-off start check (an 8-byte fingerprint per replica), and with
-        # ns_dtype='auto' the replicas' agreement on Newton-Schulz's dtype (an 8-byte flag).
-        start = 8 + (8 if rank["schemes"][scheme]["ns_dtype_agreed"] else 0)
+        # Step 1 also carries the one-off start checks (an 8-byte settings digest and an 8-byte fingerprint per
+        # replica), and with ns_dtype='auto' the replicas' agreement on Newton-Schulz's dtype (an 8-byte flag).
+        start = 8 + 8 + (8 if rank["schemes"][scheme]["ns_dtype_agreed"] else 0)
         assert steps[0]["wire"] == steps[0]["counted"] + start
         for i, step in enumerate(steps[1:], start=2):
             assert step["counted"] == step["wire"], f"rank {rank['rank']} step {i}"
@@ -127,9 +127,9 @@ def test_overlap_applies_the_same_updates_one_step_late(ranks):
         assert result["overlap=True"]["pending_before_flush"] and not result["overlap=False"]["pending_before_flush"]
         for mode in ("overlap=False", "overlap=True"):
             assert result[mode]["replicas_equal"]
-            # The wire also carries the one-off start check (8 bytes) besides the counted exchange, and the
-            # default rule's agreement on ns_dtype='auto' (8 bytes).
-            assert result[mode]["wire"] == result[mode]["counted"] + 8 + 8
+            # The wire also carries the one-off start checks (a settings digest and a fingerprint, 8 bytes each)
+            # besides the counted exchange, and the default rule's agreement on ns_dtype='auto' (8 bytes).
+            assert result[mode]["wire"] == result[mode]["counted"] + 8 + 8 + 8
 
 
 def test_a_drifting_replica_is_caught(ranks):
@@ -154,6 +154,18 @@ def test_multi_process_job_without_mesh_is_refused(ranks):
 def test_replicas_start_from_replica_zero(ranks):
     for rank in ranks:
         assert rank["start_sync"] == {"differed_before": True, "equal_after": True}
+
+
+def test_nodes_with_different_settings_are_refused_before_the_exchange(ranks):
+    for rank in ranks:
+        cases = rank["settings"]
+        assert cases["same"] == {"raised": None, "stepped": True}
+        for name, node0, node1 in (("index_coding", "'fixed'", "'elias_fano'"), ("lr", "0.001", "0.002")):
+            message, key = cases[name]["raised"], "settings.index_coding" if name == "index_coding" else "groups.0.lr"
+            assert message and "launched with different settings" in message, cases
+            assert f"{key}: node 1 has {node1}, node 0 {node0}" in message, message
+            assert "the same --optim_args" in message
+            assert not cases[name]["stepped"]
 
 
 def test_ns_dtype_auto_takes_one_dtype_for_the_whole_job(ranks):

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..agreement import differences
 from .lighthouse import read_lighthouse
 from .node import FaultToleranceError, NodeIdentity
 from .timeline import RoundClock
@@ -70,12 +71,9 @@ class Healing:
         return {part: fn() for part, fn in self._describers.items()} | {"node": self._identity.name}
 
     def _check_peer(self, peer: dict[str, Any]) -> None:
-        ours, theirs = _flatten(self._describe()), _flatten(peer)
-        differ = [
-            f"{key}: {peer.get('node')} has {theirs.get(key)!r}, this node {ours.get(key)!r}"
-            for key in sorted(set(ours) | set(theirs))
-            if key != "node" and ours.get(key) != theirs.get(key)
-        ]
+        ours = {k: v for k, v in self._describe().items() if k != "node"}
+        theirs = {k: v for k, v in peer.items() if k != "node"}
+        differ = differences(ours, theirs, "this node", str(peer.get("node")))
         if differ:
             raise FaultToleranceError(
                 f"FlexDeMo fault tolerance: {self._identity.name} does not fit the running job and stops before "
@@ -146,17 +144,6 @@ class Healing:
             f"{len(self.catch_ups)} catch-up(s) by replay, {steps} missed step(s), {_megabytes(moved)} to one "
             f"process (copies of the state would have moved {_megabytes(copies)})"
         )
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``, so that a difference is named to the setting."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _megabytes(nbytes: int) -> str:

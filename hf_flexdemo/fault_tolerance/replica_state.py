@@ -187,21 +187,17 @@ class ReplicaState:
             self._decode_and_apply(stepping, map_tensors(step.parts, lambda t: t.to(device)), step.ctx)
 
     def _describe_layout(self) -> dict[str, Any]:
-        """Settings and shapes every node must share, compared when a node first meets the others."""
-        # Each node's own: they change nothing the others compute. join_quorum is not: nodes that join when
-        # ready skip the rounds of synchronize(), which the others would wait in.
-        local_only = ("ft_timeout", "quorum_timeout", "replay_steps", "stall_wait")
-        settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in local_only}
+        """Settings and shapes every node must share, compared when a node first meets the others. Group
+        hyperparameters are left out: a node that joins has its scheduler's first ``lr`` until it heals."""
+        # join_quorum is compared: nodes that join when ready skip the rounds of synchronize(), which the others
+        # would wait in.
+        described = self.describe_replica()
+        settings = described["settings"]
         if settings.get("update") == "orthogonal" and settings["ns_dtype"] == "auto":  # by device: may differ
             dtype = newton_schulz_dtype("auto", local_tensor(self._ordered_params()[0]).device)
             taken = "bf16" if dtype == torch.bfloat16 else "float32"
             settings["ns_dtype"] = f"auto, {taken} on this node's devices (set ns_dtype='{taken}' on every node)"
-        return {
-            "settings": settings,
-            "parameter_shapes": [tuple(p.shape) for p in self._ordered_params()],
-            "local_shapes": [tuple(local_tensor(p).shape) for p in self._ordered_params()],
-            "processes_per_node": dist.get_world_size() if dist.is_initialized() else 1,
-        }
+        return described
 
     def _snapshot(self, buckets: list[Bucket], undo_step: bool, with_params: bool = True) -> list:
         """Copies of what a step changes before its exchange, to undo it: the step counts, the state the

@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..agreement import LOCAL_SETTINGS, check_replicas_agree, group_settings
 from ..buckets import MAX_BUCKET_ENTRIES, Bucket, BucketBook, build_buckets, param_slots
 from ..config import FlexDeMoConfig, validate_group
+from ..dtensor_utils import local_tensor
 from ..fault_tolerance.rounds import QuorumRounds, StepRound
 from ..schemes import Collective, Decoded, StepContext, build_scheme
 from ..state_store import StateStore, keep_saved_dtypes
@@ -147,6 +149,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         self._pending: InFlight | None = None  # overlap: the last step's exchange
         self._uncounted: dict[int, list] = {}  # per bucket: [slots, bytes sent, dense bytes] not yet in the state
         self._book = BucketBook()  # the buckets, built at the first step (see _bucketed)
+        self._settings_compared = False  # with the other replicas', at this process's first step
         self._init_quorum_rounds()  # fault tolerance (see hf_flexdemo.fault_tolerance.rounds)
         if mesh is not None:
             self.attach(mesh, replicate_dim)
@@ -382,6 +385,10 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         self._flush_counters()  # bytes counted per bucket reach the parameters' counters before rebuilding
         slots_by_group = param_slots(self.param_groups, self.state, self._store)
         all_slots = [slot for slots in slots_by_group for slot in slots]
+        if not self._settings_compared and self._managed is None:  # under torchft: when a node meets the others
+            described = self.describe_replica() | {"groups": group_settings(self.param_groups)}
+            check_replicas_agree(described, self.topology)  # also on a resumed run's first step
+            self._settings_compared = True
         if "step" not in all_slots[0].state:
             self._start([slot.state.param for slot in all_slots])
         buckets = build_buckets(slots_by_group, self.bucket_entries)
@@ -404,6 +411,16 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         check_layout(params, self._topology or self.topology)
         if self._managed is None:  # under torchft the first quorum copies the first node's state to the others
             start_from_first_replica(params, self.topology)
+
+    def describe_replica(self) -> dict[str, Any]:
+        """Settings and shapes every replica must share (see :mod:`hf_flexdemo.agreement`)."""
+        params = self._ordered_params()
+        return {
+            "settings": {k: v for k, v in dataclasses.asdict(self.config).items() if k not in LOCAL_SETTINGS},
+            "parameter_shapes": [tuple(p.shape) for p in params],
+            "local_shapes": [tuple(local_tensor(p).shape) for p in params],
+            "processes_per_node": dist.get_world_size() if dist.is_initialized() else 1,
+        }
 
     # -- replicas ----------------------------------------------------------------------
 

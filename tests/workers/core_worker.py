@@ -339,6 +339,31 @@ def check_start_sync(mesh) -> dict:
     return {"differed_before": len(set(before)) > 1, "equal_after": len(set(after)) == 1}
 
 
+def check_settings_agreement(mesh, coords) -> dict:
+    """Nodes launched with different settings are refused on the first step, before the exchange: a wire setting
+    (buffers of other sizes: a hang or a failed collective) and the learning rate (other steps: silent drift)."""
+    wire = dict(SMALL, value_bits=2, pack_indices=True)
+    cases = {
+        "index_coding": dict(wire, index_coding="elias_fano" if coords[0] == 1 else "fixed"),
+        "lr": dict(SMALL, lr=2e-3 if coords[0] == 1 else 1e-3),
+        "same": dict(wire, index_coding="elias_fano"),
+    }
+    out = {}
+    for name, kwargs in cases.items():
+        model = build(mesh)
+        opt = FlexDeMo(model.parameters(), mesh=mesh, **kwargs)
+        x, y = batch(*coords, 0)
+        ((model(x) - y) ** 2).mean().backward()
+        before = [local_tensor(p).detach().clone() for p in model.parameters()]
+        try:
+            opt.step()
+            out[name] = {"raised": None}
+        except ValueError as e:
+            out[name] = {"raised": str(e)}
+        out[name]["stepped"] = not all(torch.equal(a, local_tensor(p)) for a, p in zip(before, model.parameters()))
+    return out
+
+
 def check_ns_dtype_agreement(mesh, coords) -> dict:
     """ns_dtype='auto' with node 1's devices slow at bf16: every process of the job iterates in float32."""
     from hf_flexdemo.updates import orthogonal
@@ -411,6 +436,7 @@ def main() -> None:
         "drift": check_drift_detection(mesh, coords),
         "errors": check_errors(mesh),
         "start_sync": check_start_sync(mesh),
+        "settings": check_settings_agreement(mesh, coords),
         "ns_dtype": check_ns_dtype_agreement(mesh, coords),
         "triton": check_triton_kernels(mesh, coords, spy),
     }
