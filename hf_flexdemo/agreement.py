@@ -48,10 +48,16 @@ def differences(ours: dict[str, Any], theirs: dict[str, Any], we: str, they: str
     """``"key: <they> has X, <we> Y"`` for each flattened entry that differs."""
     ours, theirs = flatten(ours), flatten(theirs)
     return [
-        f"{key}: {they} has {theirs.get(key)!r}, {we} {ours.get(key)!r}"
+        f"{key}: {they} has {_short(theirs.get(key))}, {we} {_short(ours.get(key))}"
         for key in sorted(set(ours) | set(theirs))
         if ours.get(key) != theirs.get(key)
     ]
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut in the middle if long (a large model's list of shapes)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit // 2]} ... {text[-limit // 2 :]}"
 
 
 def digest(description: dict[str, Any]) -> int:

@@ -30,6 +30,9 @@ def test_a_difference_is_named_to_the_setting_and_the_group():
         "settings.index_coding: node 1 has 'elias_fano', node 0 'fixed'",
     ]
     assert differences(described(), described(), "node 0", "node 1") == []
+    shapes = {"parameter_shapes": [(4096, 4096)] * 1000}
+    (line,) = differences(shapes, {"parameter_shapes": [(4096, 4096)] * 999}, "node 0", "node 1")
+    assert len(line) < 500 and " ... " in line  # a large model's shapes are cut, not printed whole
 
 
 def test_the_digest_changes_with_any_value_and_not_with_key_order():
