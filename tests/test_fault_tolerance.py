@@ -709,6 +709,7 @@ class LaggingPeers(OneReplicaQuorum):
 
 REPLAYED = {
     "demo": dict(scheme="demo", value_bits=2, rounding="stochastic"),
+    "demo_elias_fano": dict(scheme="demo", value_bits=2, pack_indices=True, index_coding="elias_fano"),  # wire=2bit
     "demo_ortho_adam": dict(scheme="demo", **UPDATE_RULES["demo_ortho_adam"]),
     "demo_adam": dict(scheme="demo", **UPDATE_RULES["demo_adam"]),
     "demo_shared": dict(scheme="demo", shared_indices=True),

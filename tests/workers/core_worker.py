@@ -202,10 +202,13 @@ def spatial_momentum(opt, p, hp) -> torch.Tensor:
 def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
     """DCP save/load restores each replica's own state; a resumed run continues the same curve."""
     out = {}
-    for name in ("demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_shared", "demo_adam", "demo_ortho"):
+    names = ("demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_shared", "demo_adam", "demo_ortho")
+    for name in (*names, "demo_eliasfano"):
         scheme, _, variant = name.partition("_")
         hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4}
         hp.update(overlap=variant == "overlap", shared_indices=variant == "shared")
+        if variant == "eliasfano":  # wire=2bit's wire format
+            hp.update(value_bits=2, pack_indices=True, index_coding="elias_fano")
         hp.update(update={"adam": "adam", "ortho": "orthogonal"}.get(variant, "sign"))
         model = build(mesh)
         opt = FlexDeMo(model.parameters(), mesh=mesh, **hp)
