@@ -112,6 +112,13 @@ WIRE_PROBES = {
     "demo_top128_4bit_ef": "topk=128,value_bits=4,pack_indices=true,index_coding=elias_fano",
     # At 2bit's bytes (376 of its 384 bits a tile): fewer coefficients at 4 bits instead of 32 at 2
     "demo_top26_4bit_ef": "topk=26,value_bits=4,pack_indices=true,index_coding=elias_fano",
+    # 2bit's bytes to the bit (384 a tile): 36 coefficients at 1 bit instead of 32 at 2, whose codes are nearly all
+    # the tile's largest value (the top 32 of a tile are within a few percent of each other after error feedback)
+    "demo_top36_1bit_ef": "topk=36,value_bits=1,pack_indices=true,index_coding=elias_fano",
+    # About 1,000x: 128 x 128 tiles at 1 bit, one scale per 16,384 positions and Elias-Fano indices, so that the
+    # bytes of top 4 of 4,096 at 1 bit carry 2 to 4 times its coefficients
+    **{f"demo_top{k}_chunk128_1bit_ef": f"topk={k},chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
+       for k in (16, 24, 32)},
 }
 """Issue 35: more of each tile's coefficients on the wire (DeMo sends 32 of 4,096): how the default rule's loss
 moves between DeMo's wire and the uncompressed one, and at equal bytes, more coefficients at fewer bits."""

@@ -49,6 +49,14 @@ STEP_MS = {"adamw": 1.58, "flexdemo": 41.19}
 """That rank's optimizer step: fused AdamW on its shards; the default rule (torch path, its Newton-Schulz share)."""
 
 
+def preset_config(table: dict, model: str, preset: str) -> str:
+    """The study's configuration for a preset: the preset as a user names it (``wire_<preset>_ortho_adam``, its
+    rate swept on this code) where it ran 3 seeds, else its twin (the same coefficients; older runs)."""
+    named = f"wire_{preset}_ortho_adam"
+    row = table.get((model, named))
+    return named if row and row["seeds"] >= 3 else PRESET_CONFIGS[preset]
+
+
 def steps_to(row: dict, target: float) -> int | None:
     """The first evaluation's step at which ``row``'s mean curve is at or below ``target``; None if never."""
     return next((step for step, loss in mean_curve(row) if loss <= target), None)
@@ -61,7 +69,8 @@ def modelled(study: Path, wire_bytes: dict) -> list[dict]:
     adamw = table[(model, "adamw_hsdp")]
     total_steps, target = mean_curve(adamw)[-1]
     records = []
-    for preset, config in PRESET_CONFIGS.items():
+    for preset in PRESET_CONFIGS:
+        config = preset_config(table, model, preset)
         row = table.get((model, config))
         if row is None:
             continue
@@ -139,18 +148,20 @@ def frontier_plot(study: Path, out: Path, runs_note: str = "3 seeds, rates swept
 
 
 def preset_points(study: Path, table: dict, model: str) -> list[tuple[float, float, str]]:
-    """Each ``wire=`` preset at its own bytes (``quality_study.py --wire_bytes``) and its twin's loss: a preset
-    sends its twin's coefficients, so the twin's runs are its runs (bitwise: tests/test_optimizer_single.py)."""
+    """Each ``wire=`` preset at its own bytes (``quality_study.py --wire_bytes``) and its loss (:func:`preset_config`:
+    its own runs, or its twin's, which send the same coefficients; bitwise: tests/test_optimizer_single.py)."""
     path = study / "wire_bytes.json"
     measured = json.loads(path.read_text()) if path.exists() else {}
     points = []
-    for preset, config in PRESET_CONFIGS.items():
+    for preset in PRESET_CONFIGS:
+        config = preset_config(table, model, preset)
         sent, row = measured.get(f"wire_{preset}_ortho_adam"), table.get((model, config))
         if not row or "vs_adamw" not in row:
             continue
         if sent:
             points.append((sent["dense_bytes_per_step"] / sent["bytes_per_step"], 100 * row["vs_adamw"], preset))
-        elif "index_coding=elias_fano" in CONFIGS[config][1] and "ratio_to_dense" in row:  # its runs are the preset's
+        elif "ratio_to_dense" in row and (config.startswith("wire_") or "elias_fano" in CONFIGS[config][1]):
+            # runs at the preset's own bytes
             points.append((row["ratio_to_dense"], 100 * row["vs_adamw"], preset))
     return sorted(points)
 
