@@ -118,7 +118,7 @@ WIRE_PROBES = {
     # About 1,000x: 128 x 128 tiles at 1 bit, one scale per 16,384 positions and Elias-Fano indices, so that the
     # bytes of top 4 of 4,096 at 1 bit carry 2 to 4 times its coefficients
     **{f"demo_top{k}_chunk128_1bit_ef": f"topk={k},chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
-       for k in (16, 24, 32)},
+       for k in (16, 20, 22, 24, 28, 32)},
 }
 """Issue 35: more of each tile's coefficients on the wire (DeMo sends 32 of 4,096): how the default rule's loss
 moves between DeMo's wire and the uncompressed one, and at equal bytes, more coefficients at fewer bits."""
