@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .config import GROUP_KEYS
-from .topology import ReplicaTopology
+from .topology import ReplicaTopology, gather_int64
 
 LOCAL_SETTINGS = ("ft_timeout", "quorum_timeout", "replay_steps", "stall_wait")
 """Each node's own: they change nothing the others compute."""
@@ -71,13 +71,7 @@ def check_replicas_agree(description: dict[str, Any], topology: ReplicaTopology)
 
     A collective: every replica calls it, before its first exchange.
     """
-    if not topology.is_replicated:
-        return
-    gathered = torch.empty(topology.size, dtype=torch.int64, device=topology.device)
-    work = topology.all_gather_into(gathered, torch.tensor([digest(description)], device=topology.device))
-    if work is not None:
-        work.wait()
-    if len(set(gathered.tolist())) == 1:
+    if len(set(gather_int64(digest(description), topology))) == 1:
         return
     descriptions: list[Any] = [None] * topology.size
     dist.all_gather_object(descriptions, description, group=topology.group)

@@ -132,12 +132,15 @@ def _int_view_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def replica_fingerprints(tensors: Iterable[torch.Tensor], topology: ReplicaTopology) -> list[int]:
     """The fingerprint of this process's shards on every replica, in replica order."""
-    local = parameter_fingerprint(tensors)
+    return gather_int64(int(parameter_fingerprint(tensors)), topology)
+
+
+def gather_int64(value: int, topology: ReplicaTopology) -> list[int]:
+    """Every replica's ``value`` (a signed 64-bit integer), in replica order: one 8-byte all-gather."""
     if not topology.is_replicated:
-        return [int(local)]
-    device = topology.device
-    gathered = torch.empty(topology.size, dtype=torch.int64, device=device)
-    work = topology.all_gather_into(gathered, local.to(device).reshape(1))
+        return [value]
+    gathered = torch.empty(topology.size, dtype=torch.int64, device=topology.device)
+    work = topology.all_gather_into(gathered, torch.tensor([value], dtype=torch.int64, device=topology.device))
     if work is not None:
         work.wait()
     return [int(x) for x in gathered.cpu()]
