@@ -221,7 +221,9 @@ class FlexDeMoConfig:
     )
     ft_timeout: float = field(
         default=30.0,
-        metadata={"help": "torchft: seconds an exchange, commit vote or recovery may take before it counts as lost."},
+        metadata={
+            "help": "torchft: seconds an exchange or recovery may take before it counts as lost (a commit vote: twice)."
+        },
     )
     quorum_timeout: float = field(
         default=120.0,

@@ -157,13 +157,26 @@ REPLAY_STEPS = 30
 @pytest.mark.faults
 def test_a_paused_node_catches_up_by_replay_and_copies_the_state_only_when_further_behind(lighthouse, tmp_path):
     """Node 1 is frozen (SIGSTOP) while node 0 commits steps alone, twice. A few steps behind, it replays their
-    payloads; more than replay_steps behind, it copies the whole state. Both nodes end bitwise equal."""
+    payloads; more than replay_steps behind, it copies the whole state. Both nodes end bitwise equal.
+
+    First, node 0's rank 0 comes to one vote ft_timeout + 1 s after its sibling (as when its exchange waits out
+    ft_timeout while the sibling's succeeds): the sibling waits for it, and the step commits."""
     slow = tmp_path / "slow_while_node1_returns"  # node 0 waits for node 1's return, so it misses few steps more
+    late = tmp_path / "node0_rank0_votes_late"
     flags = [*TINY, "--max_steps", "150", "--step_delay", "0.1", *ft_args(f",replay_steps={REPLAY_STEPS}", timeout=5)]
-    nodes = nodes_of(2, lighthouse, tmp_path, *flags, extra={0: ("--slow_while", str(slow))})
+    node0 = ("--slow_while", str(slow), "--late_vote_when", str(late))
+    nodes = nodes_of(2, lighthouse, tmp_path, *flags, extra={0: node0})
     for node in nodes:
         node.start()
     wait_until(lambda: committed_together(nodes), 180, "both nodes to train", running=nodes)
+
+    late.touch()
+    wait_until(lambda: not late.exists(), 60, "node 0's rank 0 to vote late", running=nodes)
+    waited = lambda: [  # noqa: E731  (rank 1's steps that waited out its sibling's vote and committed)
+        (a, b) for a, b in itertools.pairwise(nodes[0].progress(rank=1))
+        if b["time"] - a["time"] > 5 and b["committed"] == a["committed"] + 1
+    ]  # fmt: skip
+    wait_until(waited, 60, "node 0 to commit the step its rank 0 voted late in", running=nodes)
 
     def frozen_while_node0_commits(steps: int) -> None:
         paused = time.time()

@@ -18,6 +18,8 @@ from support.launch import child_env, free_port, wait_for
 from hf_flexdemo.config import FlexDeMoConfig
 from hf_flexdemo.fault_tolerance import NodeIdentity
 from hf_flexdemo.fault_tolerance.lighthouse import LighthouseView, job_state_verdict, read_lighthouse
+from hf_flexdemo.fault_tolerance.node import FaultToleranceError
+from hf_flexdemo.fault_tolerance.quorum import StepQuorum
 
 pytest.importorskip("torchft", reason="torchft is part of the test install (setup.cfg [test])")
 
@@ -82,6 +84,7 @@ def test_the_torchft_api_we_use_is_where_we_call_it():
         assert name in params, f"torchft Manager({name}=) moved"
     for name in ("register_state_dict_fn", "start_quorum", "should_commit", "report_error", "errored", "current_step"):
         assert hasattr(Manager, name), f"torchft Manager.{name} moved"
+    assert "timeout" in inspect.signature(Manager.should_commit).parameters  # the vote waits longer than an exchange
     for name in ("allgather", "allreduce", "configure"):
         assert hasattr(ProcessGroupGloo, name)
     # QuorumWatch stands in for the manager's private client to learn each quorum's members.
@@ -91,6 +94,29 @@ def test_the_torchft_api_we_use_is_where_we_call_it():
     assert hasattr(ManagerClient, "_quorum") and "replica_ids" in dir(QuorumResult)
     assert hasattr(Manager, "state_dict") and hasattr(Manager, "load_state_dict")  # a resumed node's commit count
     assert os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"))
+
+
+class VoteTimesOut:
+    """torchft's manager where the node's other processes do not vote in time: its client raises TimeoutError."""
+
+    def errored(self):
+        return None
+
+    def num_participants(self):
+        return 2
+
+    def should_commit(self, timeout):
+        self.waited = timeout.total_seconds()
+        raise TimeoutError('status: Cancelled, message: "Timeout expired"')
+
+
+def test_a_process_whose_siblings_do_not_vote_waits_two_exchanges_then_stops_the_node_with_what_to_change():
+    manager = VoteTimesOut()
+    quorum = StepQuorum(manager, NodeIdentity("http://localhost:1", 0, 2), FlexDeMoConfig(ft_timeout=5.0), rank=1)
+    waited = r"process 1 of node0 waited 10 s \(twice ft_timeout=5\).*raise ft_timeout"
+    with pytest.raises(FaultToleranceError, match=waited):
+        quorum.commit(trained=True)
+    assert manager.waited == 10  # a sibling whose exchange waited out ft_timeout votes that much later
 
 
 def test_nccl_nodes_bound_nonblocking_nccl_by_ft_timeout_without_torchfts_warning(monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -29,6 +30,14 @@ MAX_FAILED_JOINS = 3
 
 While it fails, the other nodes wait up to ``ft_timeout`` in each step's collective for it, so
 it gives up well before they would (``MAX_UNCOMMITTED``): relaunched, it tries afresh."""
+
+
+VOTE_WAIT_EXCHANGES = 2
+"""A process's commit vote waits this many ``ft_timeout`` for its node's other processes to vote.
+
+A sibling whose exchange waits out ``ft_timeout`` (its peer on another node froze after this process's
+peer had sent) votes that much later than this process, plus the skew between them; waiting only
+``ft_timeout`` raised a ``TimeoutError`` that ended the node."""
 
 
 class StepQuorum:
@@ -135,7 +144,7 @@ class StepQuorum:
         self.round_open = False
         error = self._manager.errored()
         live = self._manager.num_participants()
-        if self._manager.should_commit():
+        if self._vote():
             self.uncommitted = 0
             self._settled = True
             self.committed_node_steps += live if trained else 0
@@ -164,6 +173,19 @@ class StepQuorum:
                 why,
             )
         return False
+
+    def _vote(self) -> bool:
+        """This process's vote; the node's decision once every process of it has voted."""
+        wait = VOTE_WAIT_EXCHANGES * self._config.ft_timeout
+        try:
+            return self._manager.should_commit(timeout=timedelta(seconds=wait))
+        except TimeoutError as e:  # deciding alone could commit on some processes of the node and not on others
+            raise FaultToleranceError(
+                f"FlexDeMo fault tolerance: process {self._rank} of {self._identity.name} waited {wait:g} s (twice "
+                f"ft_timeout={self._config.ft_timeout:g}) for the node's other processes to vote on the step; one is "
+                "stuck or far slower. If steps are this slow, raise ft_timeout; the node stops so that it can be "
+                "relaunched and heal."
+            ) from e
 
     def check_trained(self) -> None:
         """At the end of training: a node that failed every step it ran trained nothing, an error, not a quiet exit.

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from .accelerate_runs import launch_command
-from .launch import TESTS_DIR, child_env, free_port, port_open, wait_for
+from .launch import TESTS_DIR, child_env, failure_report, free_port, port_open, wait_for
 
 WORKER = str(TESTS_DIR / "workers" / "ft_worker.py")
 
@@ -65,7 +65,7 @@ def wait_until(condition, timeout: float, what: str, every: float = 0.2, running
         ended = next((node for node in running if node.proc.poll() is not None), None)
         if ended is None:
             return None
-        return f"node{ended.index} exited with {ended.proc.returncode}:\n{ended.log()[-6000:]}\n"
+        return f"node{ended.index} exited with {ended.proc.returncode}:\n{failure_report(ended.log())}\n"
 
     wait_for(condition, timeout, what, poll=every, gone=gone)
 
@@ -133,7 +133,8 @@ class Node:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             kill_node(self.proc.pid)
-            raise AssertionError(f"node{self.index} did not finish in {timeout:.0f} s:\n{self.log()[-6000:]}") from None
+            why = failure_report(self.log())
+            raise AssertionError(f"node{self.index} did not finish in {timeout:.0f} s:\n{why}") from None
 
     def log(self) -> str:
         """Everything the node's launch printed (the latest launch)."""

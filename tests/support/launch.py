@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -35,14 +36,21 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def failure_report(output: str) -> str:
+    """The exception each worker process ended with (the root cause, which the launcher's own
+    traceback at the end pushes out of the tail), then the output's tail."""
+    raised = re.findall(r"^(\[rank\d+\]: \w+(?:Error|Exception|Interrupt)\b.*)$", output, flags=re.MULTILINE)
+    return "".join(f"raised: {line}\n" for line in dict.fromkeys(raised)) + output[-6000:]
+
+
 def run_checked(cmd: list[str], timeout: float, env: dict[str, str] | None = None, cwd: Path | None = None):
     """Run ``cmd``; on failure raise with the tail of its output so the test report shows why."""
     proc = subprocess.run(
         cmd, env=env or child_env(), cwd=cwd or REPO_ROOT, capture_output=True, text=True, timeout=timeout
     )
     if proc.returncode != 0:
-        tail = (proc.stdout + "\n" + proc.stderr)[-6000:]
-        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
+        output = proc.stdout + "\n" + proc.stderr
+        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{failure_report(output)}")
     return proc
 
 

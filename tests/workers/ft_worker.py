@@ -20,6 +20,9 @@ exists, so that a late or relaunched peer, taking up to that many seconds per re
 start, finds this node still training.
 ``--hold_while PATH`` (test only): a step that starts while PATH exists waits until it is gone (its quorum
 not yet joined under join_quorum=when_ready), so that a test can keep this node late for as long as it needs.
+``--late_vote_when PATH`` (test only): once PATH exists, rank 0 of this node comes to one step's commit vote
+``ft_timeout`` + 1 s late, as a process whose exchange waited out ``ft_timeout`` while its sibling's succeeded;
+it then removes PATH.
 ``--record_samples`` (test only): ``samples_rank<N>.jsonl`` gets one line per batch drawn, the
 hashes of its samples, so that a test can tell which node read what.
 """
@@ -48,6 +51,7 @@ from transformers import (
 
 import hf_flexdemo  # noqa: F401  (registers optim="flexdemo")
 from hf_flexdemo.fault_tolerance.collectives import QuorumGroup
+from hf_flexdemo.fault_tolerance.quorum import StepQuorum
 from hf_flexdemo.optim import FlexDeMo, unwrap_flexdemo
 from hf_flexdemo.topology import parameter_fingerprint
 
@@ -62,6 +66,7 @@ class WorkerArgs:
     slow_while: str = ""
     slow_step_s: float = 1.0
     hold_while: str = ""
+    late_vote_when: str = ""
     record_samples: bool = False
     train_rows: int = 256
 
@@ -146,6 +151,19 @@ def die_while_serving(armed: Path, once: Path) -> None:
     FlexDeMo.replica_state = serve_then_die
 
 
+def late_vote(trainer: Trainer, armed: Path) -> None:
+    """Rank 0 votes ``ft_timeout`` + 1 s late at the first step after ``armed`` appears; its siblings vote on time."""
+    original = StepQuorum.commit
+
+    def commit_late(self, trained: bool) -> bool:
+        if dist.get_rank() == 0 and armed.exists():
+            time.sleep(unwrap_flexdemo(trainer.optimizer).config.ft_timeout + 1)
+            armed.unlink()
+        return original(self, trained)
+
+    StepQuorum.commit = commit_late
+
+
 def main() -> None:
     worker, args = HfArgumentParser((WorkerArgs, TrainingArguments)).parse_args_into_dataclasses()
     tok = tokenizer()
@@ -169,6 +187,8 @@ def main() -> None:
         kill_node_in_exchange(trainer, worker.kill_node_in_exchange_at)
     if worker.die_while_serving_when:
         die_while_serving(Path(worker.die_while_serving_when), base / "served_and_died")
+    if worker.late_vote_when:
+        late_vote(trainer, Path(worker.late_vote_when))
     trainer.train()
     params = [p for p in trainer.model.parameters()]
     result = {
