@@ -170,11 +170,12 @@ def test_a_paused_node_catches_up_by_replay_and_copies_the_state_only_when_furth
         node.start()
     wait_until(lambda: committed_together(nodes), 180, "both nodes to train", running=nodes)
 
+    touched = time.time()
     late.touch()
     wait_until(lambda: not late.exists(), 60, "node 0's rank 0 to vote late", running=nodes)
     waited = lambda: [  # noqa: E731  (rank 1's steps that waited out its sibling's vote and committed)
         (a, b) for a, b in itertools.pairwise(nodes[0].progress(rank=1))
-        if b["time"] - a["time"] > 5 and b["committed"] == a["committed"] + 1
+        if b["time"] > touched and b["time"] - a["time"] > 5 and b["committed"] == a["committed"] + 1
     ]  # fmt: skip
     wait_until(waited, 60, "node 0 to commit the step its rank 0 voted late in", running=nodes)
 
