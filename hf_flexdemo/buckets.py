@@ -58,7 +58,15 @@ class Bucket:
     carried: Any = None
     """What the scheme's ``local_step`` hands to its ``apply`` (None: nothing was sent)."""
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    """State key -> ``(count, *shape)`` (or ``(count,)`` for scalars); each parameter's entry is a view."""
+    """State key -> ``(count, *shape)`` (or ``(count,)`` for scalars); each parameter's entry is a view. With
+    simulated replicas, per-replica keys hold ``(replicas, count, *shape)``, and each parameter's entry is its
+    ``(replicas, *shape)`` view."""
+    replicas: int = 1
+    """Replicas simulated in this process (``simulate_replicas``): each keeps its own per-replica state."""
+    replica: int | None = None
+    """In :meth:`for_replica`'s view: the simulated replica whose per-replica state ``buffers`` holds."""
+    replica_keys: set[str] = field(default_factory=set)
+    """Per-replica state keys (with simulated replicas: the buffers :meth:`for_replica` slices)."""
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -90,6 +98,12 @@ class Bucket:
         """This bucket in one step: the step's hyperparameters and gradients, the bucket's buffers."""
         return dataclasses.replace(self, group=dict(self.group), grad=grad, carried=None)
 
+    def for_replica(self, replica: int) -> Bucket:
+        """This step's bucket as simulated replica ``replica`` sees it: its own slice of each per-replica entry, the
+        shared entries as they are."""
+        buffers = {key: value[replica] if key in self.replica_keys else value for key, value in self.buffers.items()}
+        return dataclasses.replace(self, buffers=buffers, replica=replica, carried=None)
+
     # -- state -------------------------------------------------------------------------
 
     def _buffer(
@@ -103,12 +117,17 @@ class Bucket:
         buffer = self.buffers.get(key)
         if buffer is not None:
             return buffer
-        buffer = torch.empty((self.count, *shape), dtype=dtype, device=self.device)
+        assert self.replica is None, f"state {key!r} created in a replica's view"
+        # Simulated replicas' per-replica state: one (count, *shape) block per replica, so that each replica's
+        # phases run on a contiguous stack; a parameter's entry is its (replicas, *shape) view across the blocks.
+        leading = (self.replicas,) if key in self.replica_keys else ()
+        buffer = torch.empty((*leading, self.count, *shape), dtype=dtype, device=self.device)
         for i, slot in enumerate(self.slots):
             # State the parameter already holds (loaded, or from before the bucket) moves into the buffer.
             saved = slot.state.read(key) if key in slot.state else init(slot)
-            buffer[i].copy_(saved.reshape(shape))
-            bind(slot.state, key, buffer[i])
+            entry = buffer[:, i] if leading else buffer[i]
+            entry.copy_(saved.reshape(entry.shape))
+            bind(slot.state, key, entry)
         self.buffers[key] = buffer
         return buffer
 
@@ -118,6 +137,10 @@ class Bucket:
     def per_replica(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         """State that differs between replicas (momentum), zeros to begin with: ``(count, *shape)``."""
         shape = tuple(self.shape)
+        if self.replicas > 1:
+            self.replica_keys.add(key)
+            init = self._zeros((self.replicas, *shape), dtype)
+            return self._buffer(key, dtype, init, StateView.bind_per_replica, shape)
         return self._buffer(key, dtype, self._zeros(shape, dtype), StateView.bind_per_replica, shape)
 
     def shared(
@@ -144,12 +167,12 @@ class Bucket:
     def copy_to_params(self, values: torch.Tensor) -> None:
         torch._foreach_copy_(self.params, self.unstacked(values.to(self.dtype)))
 
-    def stacked_grads(self, zero: bool) -> torch.Tensor:
+    def stacked_grads(self, zero: bool, source: dict[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
         """The gradients as one ``(count, *shape)`` tensor; a missing gradient (or every one, ``zero``) counts as
-        zeros."""
+        zeros. ``source``: a simulated replica's gradients by parameter, instead of ``.grad``."""
         grads = []
         for slot in self.slots:
-            grad = slot.state.param.grad
+            grad = slot.state.param.grad if source is None else source.get(slot.state.param)
             if grad is not None and grad.is_sparse:
                 raise ValueError("FlexDeMo does not support sparse gradients.")
             grads.append(torch.zeros_like(slot.param) if grad is None or zero else local_tensor(grad))
@@ -164,7 +187,9 @@ let OLMo2-1B's step peak at 1.9x its state on a GPU; a bucket this size still ta
 matrices, so the work per launch stays large."""
 
 
-def build_buckets(slots_by_group: list[list[ParamSlot]], max_entries: int = MAX_BUCKET_ENTRIES) -> list[Bucket]:
+def build_buckets(
+    slots_by_group: list[list[ParamSlot]], max_entries: int = MAX_BUCKET_ENTRIES, replicas: int = 1
+) -> list[Bucket]:
     """One bucket per group and parameter layout (in pieces of at most ``max_entries``), in the order of their
     first parameter.
 
@@ -180,7 +205,7 @@ def build_buckets(slots_by_group: list[list[ParamSlot]], max_entries: int = MAX_
             key = (group_index, layout, local.dtype, local.device)
             pieces = buckets.setdefault(key, [])
             if not pieces or (len(pieces[-1].slots) + 1) * whole.numel() > max_entries:
-                pieces.append(Bucket(slots=[], shape=local.shape, group=slot.group))
+                pieces.append(Bucket(slots=[], shape=local.shape, group=slot.group, replicas=replicas))
             pieces[-1].slots.append(slot)
     return [bucket for pieces in buckets.values() for bucket in pieces]
 

@@ -209,6 +209,18 @@ class FlexDeMoConfig:
             "CUDA GPU (on the CPU only under TRITON_INTERPRET=1, Triton's slow interpreter: for tests)."
         },
     )
+    simulate_replicas: int = field(
+        default=1,
+        metadata={
+            "help": "Train R replicas exactly as R nodes would, in one process: each of R equal parts of a step's "
+            "micro-batches is one replica's gradient, folded into that replica's own momentum and encoded by the "
+            "scheme; the payloads meet in a local collective and one update moves the one model. The Trainer "
+            "takes gradient_accumulation_steps (a multiple of R) micro-batches per step; plain PyTorch calls "
+            "optimizer.next_replica() after each replica's backward. For trying a configuration on one GPU before "
+            "renting nodes, and for loss studies. Per-step schemes only (replicas keep one model): "
+            f"{PER_STEP_SCHEMES}; no torchft, one process (no FSDP shards or replicate group)."
+        },
+    )
     fault_tolerance: str = field(
         default="off",
         metadata={
@@ -340,10 +352,29 @@ class FlexDeMoConfig:
                 "FlexDeMo: overlap=True cannot be combined with fault_tolerance='torchft': a step is committed only "
                 "once its exchange is known to be complete, which overlap defers to the next step. Drop overlap."
             )
+        self._check_simulation()
         _check_int("seed", self.seed, low=0)
         _check_int("inner_steps", self.inner_steps, low=1)
         _check_float("outer_lr", self.outer_lr, low=0.0)
         _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
+
+    def _check_simulation(self) -> None:
+        _check_int("simulate_replicas", self.simulate_replicas, low=1)
+        if self.simulate_replicas == 1:
+            return
+        if self.scheme not in PER_STEP_SCHEMES:
+            raise ValueError(
+                f"FlexDeMo: simulate_replicas={self.simulate_replicas} needs replicas that hold one model after every "
+                f"step, the per-step schemes {PER_STEP_SCHEMES}; scheme={self.scheme!r} lets each replica's "
+                "parameters move on their own. Pick one of those schemes, or leave simulate_replicas at 1 and "
+                "launch real nodes."
+            )
+        if self.fault_tolerant:
+            raise ValueError(
+                f"FlexDeMo: simulate_replicas={self.simulate_replicas} trains every replica in this one process, so "
+                "there is no node to lose; drop fault_tolerance=torchft, or drop simulate_replicas and launch the "
+                "nodes."
+            )
 
     def _apply_wire_preset(self) -> None:
         """``wire=NAME`` sets its knobs; one also given with another value than the preset's is refused (a knob at
@@ -447,6 +478,8 @@ class FlexDeMoConfig:
             keys.append("rounding")
         if self.kernels != "torch":
             keys.append("kernels")
+        if self.simulate_replicas != 1:
+            keys.append("simulate_replicas")
         return tuple(keys)
 
     @property

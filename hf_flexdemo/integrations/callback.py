@@ -38,6 +38,7 @@ from .. import refusals
 from ..optim import FlexDeMo, unwrap_flexdemo
 from ..topology import collective_device
 from .accelerate_plugin import check_flexdemo_layout, fp16_refusal
+from .simulation import SimulatedSteps, check_simulation_args
 from .training_args import flexdemo_kwargs, is_flexdemo, refuse_flexdemo_args_for_other_optimizers
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class FlexDeMoCallback(TrainerCallback):
         self._steps_run = 0  # steps this process ran since the last log (a heal can move global_step further)
         self._pending: dict[str, float] = {}
         self._node_samples = 0  # samples one node trains on per step (all its processes, accumulation included)
+        self._micro_steps = 0  # micro-batches of this step done before the current one
+        self._simulation: SimulatedSteps | None = None
         self.figures: dict[str, float] = {}
         """This node's latest figures (the logged keys; node 0's on the main process), refreshed at logging steps
         and at the end."""
@@ -76,7 +79,8 @@ class FlexDeMoCallback(TrainerCallback):
         if not is_flexdemo(args):
             refuse_flexdemo_args_for_other_optimizers(args)
             return
-        flexdemo_kwargs(args)  # bad optim_args fail here, before any data is loaded
+        kwargs = flexdemo_kwargs(args)  # bad optim_args fail here, before any data is loaded
+        check_simulation_args(args, kwargs.get("simulate_replicas", 1))
         if args.fp16:
             raise ValueError(fp16_refusal("fp16=True", "bf16=True"))
         from accelerate.state import AcceleratorState
@@ -89,6 +93,8 @@ class FlexDeMoCallback(TrainerCallback):
         if self._optimizer is None:
             return
         opt = self._optimizer
+        replicas = opt.config.simulate_replicas
+        self._simulation = SimulatedSteps(opt, args, replicas) if replicas > 1 else None
         world = dist.get_world_size() if dist.is_initialized() else 1
         if not opt.is_attached and world > 1:
             raise RuntimeError(
@@ -107,7 +113,12 @@ class FlexDeMoCallback(TrainerCallback):
             logger.warning(
                 "FlexDeMo scheme='none' on %d replicas: nothing is exchanged, so replicas drift apart.", topo.size
             )
-        if topo.size == 1 and opt.managed is None and state.is_world_process_zero:
+        if self._simulation is not None and state.is_world_process_zero:
+            logger.info(
+                "FlexDeMo: %d replicas simulated in this process, %d micro-batch(es) each per step.",
+                replicas, self._simulation.micro_steps,
+            )  # fmt: skip
+        elif topo.size == 1 and opt.managed is None and state.is_world_process_zero:
             logger.warning(
                 "FlexDeMo has 1 replica: nothing crosses nodes (byte figures stay 0) and each step applies the "
                 "update rule to this replica's own update. Launch several nodes (parallelism_config_dp_replicate_size) "
@@ -125,6 +136,17 @@ class FlexDeMoCallback(TrainerCallback):
         refusals.install()  # back above a hook installed at train start (wandb.init), for any optimizer
         if self._optimizer is not None:
             self._optimizer.begin_step()  # fault tolerance: join the quorum (and heal) before the forward pass
+        self._micro_steps = 0
+
+    def on_substep_end(self, args, state, control, **kw):
+        """simulate_replicas: a replica's last micro-batch is done; the next ones are the next replica's."""
+        self._micro_steps += 1
+        if self._simulation is not None and self._micro_steps % self._simulation.micro_steps == 0:
+            self._simulation.close_replica(args)
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        if self._simulation is not None:
+            self._simulation.close_step(args, self._micro_steps + 1, state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kw):
         opt = self._optimizer

@@ -33,6 +33,7 @@ from ..config import FlexDeMoConfig, validate_group
 from ..dtensor_utils import local_tensor
 from ..fault_tolerance.rounds import QuorumRounds, StepRound
 from ..schemes import Collective, Decoded, StepContext, build_scheme
+from ..simulated_replicas import ReplicaGradients, SimulatedTopology, check_simulation_layout
 from ..state_store import StateStore, keep_saved_dtypes
 from ..topology import (
     ReplicaTopology,
@@ -117,6 +118,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         rounding: str = "nearest",
         shared_indices: bool = False,
         kernels: str = "torch",
+        simulate_replicas: int = 1,
         fault_tolerance: str = "off",
         min_replicas: int = 1,
         ft_timeout: float = 30.0,
@@ -151,6 +153,8 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         self._book = BucketBook()  # the buckets, built at the first step (see _bucketed)
         self._settings_compared = False  # with the other replicas', at this process's first step
         self._init_quorum_rounds()  # fault tolerance (see hf_flexdemo.fault_tolerance.rounds)
+        replicas = self.config.simulate_replicas
+        self._simulated = ReplicaGradients(replicas) if replicas > 1 else None  # simulate_replicas' gradients
         if mesh is not None:
             self.attach(mesh, replicate_dim)
 
@@ -257,6 +261,11 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
             return False
         ctx = self._context(step, sync_only, topology)
         stepping = [bucket.for_step(None) for bucket in buckets]
+        grads = None  # this process's .grad
+        if self._simulated is not None:  # replica 0 runs last, through the same path as a node's step
+            topology, grads = self._run_other_replicas(stepping, step, sync_only)
+            ctx = self._context(step, sync_only, topology)
+            stepping = [bucket.for_replica(0) for bucket in stepping]
         # Nothing reads the parameters between here and the rules, so under a quorum weight decay can wait
         # for the commit, after any catch-up (DiLoCo's inner steps do read them: it decays now). Then nothing
         # moves them before the vote, and undoing the step needs no copy of them.
@@ -264,9 +273,33 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         undo = self._snapshot(stepping, not sync_only, with_params=not decay_on_commit) if joined.in_quorum else None
         if not sync_only and not decay_on_commit:
             self._decay(stepping)
-        payloads, grad_bytes = self._local_steps(stepping, ctx, sync_only, joined.drop_gradient)
+        payloads, grad_bytes = self._local_steps(stepping, ctx, sync_only, joined.drop_gradient, grads)
         self._exchange(stepping, payloads, grad_bytes, ctx, topology, undo, decay_on_commit, not sync_only)
         return ctx.replicate
+
+    def _run_other_replicas(
+        self, stepping: list[Bucket], step: int, sync_only: bool
+    ) -> tuple[SimulatedTopology, dict | None]:
+        """``simulate_replicas``: replicas 1 to R-1 each take their gradient into their own state and post their
+        payload to the local collective. Returns replica 0's topology and gradients, for the node's own path."""
+        params = [slot.state.param for bucket in stepping for slot in bucket.slots]
+        topologies = SimulatedTopology.replicas(self.config.simulate_replicas)
+        sources = [None] * len(topologies) if sync_only else self._simulated.for_step(params)
+        for topology, grads in zip(topologies[1:], sources[1:]):
+            ctx = self._context(step, sync_only, topology)
+            replica = [bucket.for_replica(topology.rank) for bucket in stepping]
+            payloads, grad_bytes = self._local_steps(replica, ctx, sync_only, False, grads)
+            start_exchange(self.scheme.collective, replica, payloads, grad_bytes, ctx, async_op=False, topology=topology)
+        return topologies[0], sources[0]
+
+    def next_replica(self) -> None:
+        """``simulate_replicas``: the gradients in ``.grad`` are the current replica's; the next backward fills the
+        next replica's. Call it after each replica's backward but the last (the Trainer's callback does)."""
+        if self._simulated is None:
+            raise RuntimeError(
+                "FlexDeMo.next_replica() belongs to simulate_replicas=R (R > 1), which this optimizer does not set."
+            )
+        self._simulated.take([p for group in self.param_groups for p in group["params"] if p.requires_grad])
 
     def _count_step(self, buckets: list[Bucket]) -> None:
         """A training step begins: every bucket's step count moves on."""
@@ -309,12 +342,13 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         return ctx
 
     def _local_steps(
-        self, stepping: list[Bucket], ctx: StepContext, sync_only: bool, drop_gradient: bool
+        self, stepping: list[Bucket], ctx: StepContext, sync_only: bool, drop_gradient: bool, grads: dict | None = None
     ) -> tuple[list[list[torch.Tensor]], list[int]]:
-        """Each bucket's local maths (momentum, encode): its payload, and one gradient's size (the dense baseline)."""
+        """Each bucket's local maths (momentum, encode): its payload, and one gradient's size (the dense baseline).
+        ``grads``: a simulated replica's gradients by parameter (None: ``.grad``)."""
         payloads, grad_bytes = [], []
         for bucket in stepping:  # one bucket's stacked gradients at a time: they are folded into its state
-            bucket.grad = None if sync_only else bucket.stacked_grads(drop_gradient)
+            bucket.grad = None if sync_only else bucket.stacked_grads(drop_gradient, grads)
             payloads.append(self.scheme.local_step(bucket, ctx))
             grad_bytes.append(nbytes(bucket.grad) // bucket.count if bucket.grad is not None else 0)
             bucket.grad = None
@@ -391,7 +425,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
             self._settings_compared = True
         if "step" not in all_slots[0].state:
             self._start([slot.state.param for slot in all_slots])
-        buckets = build_buckets(slots_by_group, self.bucket_entries)
+        buckets = build_buckets(slots_by_group, self.bucket_entries, self.config.simulate_replicas)
         for bucket in buckets:  # every state entry exists from the first step on (see ReplicationScheme.init_state)
             bucket.scalars("step", torch.int64)
             self.scheme.init_state(bucket)
@@ -409,6 +443,8 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
     def _start(self, params: list[torch.Tensor]) -> None:
         """First step: check the layout and that every replica starts from the same parameters."""
         check_layout(params, self._topology or self.topology)
+        if self._simulated is not None:
+            check_simulation_layout(params, self.topology, self.config.simulate_replicas)
         if self._managed is None:  # under torchft the first quorum copies the first node's state to the others
             start_from_first_replica(params, self.topology)
 
