@@ -187,6 +187,16 @@ SWEEPS = {
         "diloco": (1e-3, 2e-3),
         "sparseloco": (2e-3, 4e-3),
     },
+    # At scale: each side's small-scale best and the next rate in the direction larger models move (down), the
+    # compressed presets from their small-scale best (twice the default's) down.
+    "olmo2_10x": {
+        "adamw_hsdp": (2e-3, 4e-3), "demo_ortho_adam": (2e-3, 4e-3),
+        "wire_2bit_ortho_adam": (4e-3, 8e-3), "wire_top128_4bit_ortho_adam": (4e-3, 8e-3),
+    },  # fmt: skip
+    "olmo2_125m": {
+        "adamw_hsdp": (5e-4, 1e-3, 2e-3), "demo_ortho_adam": (1e-3, 2e-3, 4e-3),
+        "wire_2bit_ortho_adam": (1e-3, 2e-3, 4e-3), "wire_top128_4bit_ortho_adam": (1e-3, 2e-3, 4e-3),
+    },  # fmt: skip
     # Fine-tuning: swept from 2.5e-4 (fine-tuning often wants small steps) up to where the loss turns
     # (8e-3 won at the top of 2.5e-4..8e-3 for AdamW-HSDP, demo and orthogonal + adam, hence 1.6e-2).
     "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2) for name in CONFIGS}
@@ -203,6 +213,26 @@ PRESETS = {
         ["--offline_text", "pydoc", "--model_name_or_path", "{base}", "--no_from_config"],
     ),
 }
+SIMULATED = {"olmo2_10x": 2, "olmo2_125m": 2}
+"""The presets at scale: R replicas simulated in one process (``simulate_replicas``; AdamW-HSDP's counterpart is
+AdamW on the mean of the R micro-batches' gradients), one micro-batch per replica and step."""
+PRESETS |= {
+    # About 10x the offline preset's 1.6M parameters (15.7M: width 320, 8 layers, the same 4,096-token vocabulary
+    # and 128-token blocks), on 2 CPU cores.
+    "olmo2_10x": ("train_olmo2.py", ["--offline_text", "stdlib", "--hidden_size", "320", "--num_layers", "8"]),
+    # About 125M (width 768, 12 layers, a 32,768-token vocabulary, 512-token blocks) on one GPU, on 40 MB of
+    # Python source: 1,000 steps of 2 x 8 blocks read 8M tokens, less than the text holds.
+    "olmo2_125m": (
+        "train_olmo2.py",
+        ["--offline_text", "python_source", "--hidden_size", "768", "--num_layers", "12", "--vocab_size", "32768",
+         "--block_size", "512", "--bf16", "--dataloader_num_workers", "2"],
+    ),  # fmt: skip
+}
+SCALE_CONFIGS = ("adamw_hsdp", "demo_ortho_adam", "wire_2bit_ortho_adam", "wire_top128_4bit_ortho_adam")
+"""AdamW-HSDP, the default (DeMo's wire and the default rule), and the two compressed presets the README leads with."""
+DRY_RUN = ["--hidden_size", "64", "--num_layers", "2", "--vocab_size", "1024", "--block_size", "64"]
+DRY_RUN += ["--max_train_samples", "256", "--max_eval_samples", "16"]
+"""``--dry_run``: every configuration a few steps on a model this small, to find a broken pipeline in seconds."""
 BASE_MODEL = ["--offline_text", "docstrings", "--optim", "adamw_torch", "--learning_rate", "4e-3"]
 BASE_MODEL += ["--max_steps", "300", "--warmup_steps", "15", "--seed", "0", "--save_strategy", "no"]
 """olmo2_ft's base: AdamW-HSDP on the standard library's docstrings (its best pretraining rate on OLMo2)."""
@@ -215,11 +245,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(script: str, args: list[str], out: Path) -> None:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG)]
-    cmd += ["--main_process_port", str(free_port())]
+def launch(script: str, args: list[str], out: Path, one_process: bool = False) -> None:
+    """A user's command: ``accelerate launch`` on 2 nodes x 2 processes, or (``one_process``) the script alone."""
+    if one_process:  # every core to the one process
+        cmd, threads = [sys.executable], str(os.cpu_count() or 1)
+    else:
+        cmd, threads = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG)], "1"
+        cmd += ["--main_process_port", str(free_port())]
     cmd += [str(ROOT / "training_scripts" / script), "--preset", "offline", "--output_dir", str(out), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS=threads, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{out.name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -235,10 +269,12 @@ def base_model(study_dir: Path) -> Path:
 
 
 def run(
-    model: str, name: str, lr: float, seed: int, steps: int, work: Path, batch: int, base: Path | None, timing=False
+    model: str, name: str, lr: float, seed: int, steps: int, work: Path, batch: int, base: Path | None, timing=False,
+    dry_run: bool = False,
 ) -> dict:
     """One training run; ``timing``: no evaluations, only the time per step is kept."""
     optim, optim_args = CONFIGS[name]
+    replicas = SIMULATED.get(model)
     out = work / f"{model}_{name}_lr{lr:g}_s{seed}"
     eval_every = max(steps // 10, 1)
     script, flags = PRESETS[model]
@@ -254,10 +290,16 @@ def run(
     args += [flag.format(base=base) for flag in flags]
     if batch:
         args += ["--per_device_train_batch_size", str(batch)]
+    if replicas:  # one micro-batch per simulated replica
+        args += ["--gradient_accumulation_steps", str(replicas)]
+        if optim == "flexdemo":
+            optim_args = ",".join(filter(None, (optim_args, f"simulate_replicas={replicas}")))
+    if dry_run:
+        args += DRY_RUN + (["--bf16", "false"] if "--bf16" in args else [])
     if optim_args:
         args += ["--optim_args", optim_args]
     started = time.time()
-    launch(script, args, out)
+    launch(script, args, out, one_process=bool(replicas))
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     train = next(h for h in history if "train_runtime" in h)
     if timing:
@@ -277,7 +319,23 @@ def run(
         last = logged[-1]
         result["bytes_per_step"] = last["flexdemo/bytes_sent"] / last["step"]
         result["dense_bytes_per_step"] = last["flexdemo/dense_bytes"] / last["step"]
+    if replicas:
+        result |= {"replicas": replicas, "parameters": parameter_count(out), "device": device_name()}
     return result
+
+
+def parameter_count(out: Path) -> int:
+    """The saved model's parameters (tied weights once), read from its safetensors header."""
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        return sum(math.prod(weights.get_slice(key).get_shape()) for key in weights.keys())
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
 
 
 def steady_bytes(history: list[dict]) -> dict:
@@ -300,7 +358,9 @@ class Runs:
         self.path = path
         self.items = json.loads(path.read_text()) if path.exists() else []
 
-    def get(self, model, name, lr, seed, steps, work, batch, base=None) -> dict:
+    def get(self, model, name, lr, seed, steps, work, batch, base=None, deadline=math.inf) -> dict | None:
+        """The run, from ``runs.json`` or run now; None if it is not there and ``deadline`` (a ``time.time()``) has
+        passed."""
         for item in self.items:
             if (item["model"], item["config"], item["lr"], item["seed"], item["steps"]) == (
                 model,
@@ -310,6 +370,8 @@ class Runs:
                 steps,
             ):
                 return item
+        if time.time() > deadline:
+            return None
         item = run(model, name, lr, seed, steps, work, batch, base)
         self.items.append(item)
         self.path.write_text(json.dumps(self.items, indent=1))
@@ -317,17 +379,34 @@ class Runs:
         return item
 
 
-def study(args) -> None:
+def study(args) -> bool:
+    """Every configuration's sweep on seed 0, then its seeds at the best rate; returns whether all ran (False: the
+    time budget ran out first; the next call resumes)."""
     args.out.mkdir(parents=True, exist_ok=True)
     runs = Runs(args.out / "runs.json")
     base = base_model(args.out) if "{base}" in PRESETS[args.model][1] else None
+    deadline = time.time() + args.time_budget if args.time_budget else math.inf
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
             rates = args.rates.get(name) or swept_rates(args.model, name, runs.items, args.steps)
-            swept = [runs.get(args.model, name, lr, 0, args.steps, Path(tmp), args.batch, base) for lr in rates]
+            get = [args.model, name, None, 0, args.steps, Path(tmp), args.batch, base, deadline]
+            swept = [runs.get(*get[:2], lr, *get[3:]) for lr in rates]
+            if None in swept:
+                return False
             best = min(swept, key=lambda r: r["final_eval_loss"] if math.isfinite(r["final_eval_loss"]) else math.inf)
-            for seed in args.seeds:
-                runs.get(args.model, name, best["lr"], seed, args.steps, Path(tmp), args.batch, base)
+            if None in [runs.get(*get[:2], best["lr"], seed, *get[4:]) for seed in args.seeds]:
+                return False
+    return True
+
+
+def dry_run(args) -> None:
+    """``--dry_run``: every configuration 3 steps on a tiny model of the preset's kind, nothing recorded."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.configs:
+            started = time.time()
+            item = run(args.model, name, 1e-3, 0, 3, Path(tmp), args.batch, None, dry_run=True)
+            print(f"dry run {args.model} {name}: eval loss {item['final_eval_loss']:.3f}, {item['parameters']:,} "
+                  f"parameters on {item['device']}, {time.time() - started:.0f} s", flush=True)  # fmt: skip
 
 
 def retime(args, runs: Runs) -> None:
@@ -511,7 +590,8 @@ def report(out: Path) -> None:
                 ax.plot(xs, mean, style, label=name, linewidth=2.5 if name == "adamw_hsdp" else 1.5)
             ax.set_xlabel("step" if axis == "steps" else f"modelled wall-clock at {axis} (s)")
             ax.set_ylabel("validation loss (mean over seeds)")
-            ax.set_title(f"{model}, offline preset, 2 nodes x 2 processes")
+            layout = f"{SIMULATED[model]} replicas simulated in one process" if model in SIMULATED else "2 nodes x 2 processes"
+            ax.set_title(f"{model}, offline preset, {layout}")
             ax.legend(fontsize=8)
             fig.tight_layout()
             fig.savefig(out / f"{prefix}_loss_vs_{'steps' if axis == 'steps' else 'time_' + axis}.png", dpi=110)
@@ -543,7 +623,15 @@ def main() -> None:
     )
     parser.add_argument("--retime_steps", type=int, default=40, help="steps of each timing run")
     parser.add_argument("--wire_bytes", action="store_true", help="only measure --configs' bytes per step")
+    parser.add_argument(
+        "--time_budget", type=float, default=0, help="seconds: start no run after this (0: no limit); resume later"
+    )
+    parser.add_argument(
+        "--dry_run", action="store_true", help=f"{SIMULATED} presets: each configuration 3 steps on a tiny model"
+    )
     args = parser.parse_args()
+    if args.model in SIMULATED and "--configs" not in sys.argv:
+        args.configs = list(SCALE_CONFIGS)
     args.rates = {k: tuple(float(v) for v in lrs.split(":")) for k, _, lrs in (r.partition("=") for r in args.rates)}
     check_plotting()
     if args.report:
@@ -552,7 +640,15 @@ def main() -> None:
     if args.wire_bytes:
         wire_bytes(args)
         return
-    study(args)
+    if args.dry_run:
+        if args.model not in SIMULATED:
+            sys.exit(f"quality_study: --dry_run is for the presets at scale {sorted(SIMULATED)}, not {args.model!r}")
+        dry_run(args)
+        return
+    if not study(args):
+        print(f"quality_study: --time_budget {args.time_budget:g} s spent; run the same command again to resume")
+        report(args.out)
+        return
     if args.retime:
         retime(args, Runs(args.out / "runs.json"))
     report(args.out)

@@ -127,8 +127,8 @@ def test_a_step_holds_one_buckets_gradients_and_a_buckets_worth_of_decoded_updat
     stacks, batches = [], []
     stacked = Bucket.stacked_grads
 
-    def stacked_and_watched(bucket, zero):
-        grad = stacked(bucket, zero)
+    def stacked_and_watched(bucket, zero, source=None):
+        grad = stacked(bucket, zero, source)
         assert not [ref for ref in stacks if ref() is not None], "an earlier bucket's gradients are still held"
         stacks.append(weakref.ref(grad))
         return grad

@@ -32,7 +32,14 @@ import math
 from itertools import chain
 
 from datasets import Dataset, load_dataset
-from offline_data import bpe_tokenizer, english_paragraphs, shared_tokenizer, split, stdlib_docstrings
+from offline_data import (
+    bpe_tokenizer,
+    english_paragraphs,
+    python_source,
+    shared_tokenizer,
+    split,
+    stdlib_docstrings,
+)
 from script_utils import (
     ScriptArguments,
     ScriptTrainerMixin,
@@ -71,7 +78,9 @@ class Olmo2Arguments(ScriptArguments):
         metadata={
             "help": "offline: 'pydoc' (Python's documentation topics, 1,900 paragraphs), 'stdlib' (those and "
             "the standard library's docstrings, 4.6x the text: for runs of more than a few epochs' worth of steps) "
-            "or 'docstrings' (the docstrings alone: a base model to fine-tune on 'pydoc')."
+            "'docstrings' (the docstrings alone: a base model to fine-tune on 'pydoc'), or 'python_source' (the "
+            "Python source of the standard library and the installed packages, 40 MB: for models of 100M "
+            "parameters and more)."
         },
     )
 
@@ -98,6 +107,7 @@ def load_texts(args: Olmo2Arguments, seed: int):
             "pydoc": english_paragraphs,
             "stdlib": lambda: english_paragraphs() + stdlib_docstrings(),
             "docstrings": stdlib_docstrings,
+            "python_source": python_source,
         }
         if args.offline_text not in texts:
             choices = ", ".join(repr(name) for name in texts)
@@ -166,6 +176,7 @@ def main() -> None:
         "pydoc": "the English text of Python's documentation (pydoc_data)",
         "stdlib": "the English text of Python's documentation and the standard library's docstrings",
         "docstrings": "the standard library's docstrings",
+        "python_source": "the Python source of the standard library and installed packages",
     }
     dataset = offline_texts.get(args.offline_text) if args.offline else args.dataset_name
     trainer.card_info = card_info(
