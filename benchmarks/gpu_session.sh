@@ -8,7 +8,9 @@
 #   device run: bash benchmarks/gpu_session.sh kernels step node trainer   # the sections named, in that order
 #
 # Sections: kernels (the fused kernels' tests, compiled on the GPU), step and step_t5 (OLMo2-1B's, T5's shapes),
-# node (one rank of a node of 8), nccl, trainer (the stock script against adamw_torch_fused), ft (a torchft node), unit.
+# node (one rank of a node of 8), nccl, trainer (the stock script against adamw_torch_fused), ft (a torchft node), unit,
+# scale (the quality study at about 125M parameters, simulated replicas; not in the default list: it takes a whole
+# call, `bash benchmarks/gpu_session.sh scale`).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_out}
@@ -91,6 +93,19 @@ section_ft() {
     --optim_args "topk=32,chunk=64,fault_tolerance=torchft" >"$OUT/ft_node.txt" 2>&1
   echo "exit code $?; terminate called: $(grep -c 'terminate called' "$OUT/ft_node.txt")" >>"$OUT/ft_node.txt"
   kill "$lighthouse"
+}
+
+# The loss at about 125M parameters (issue 44): AdamW-HSDP, the default and the wire presets 2bit and top128_4bit,
+# 2 replicas simulated in one process, 1,000 steps, each side's rate swept on seed 0, then seed 1 at the winner.
+# The study is resumable: carry benchmarks/results/quality_olmo2_125m (its runs.json) and finished runs are not
+# repeated; --time_budget starts no run after 4 minutes (a run is estimated at 1 to 2 minutes there, not yet measured), so one call ends within the device tool's 10. A dry run
+# of every configuration on a tiny model comes first (seconds) and stops the section if the pipeline is broken.
+section_scale() {
+  local study=benchmarks/results/quality_olmo2_125m
+  timeout 180 python benchmarks/quality_study.py --model olmo2_125m --dry_run >"$OUT/scale_dry_run.txt" 2>&1 || return
+  timeout 500 python benchmarks/quality_study.py --model olmo2_125m --steps 1000 --seeds 0 1 --time_budget 240 \
+    --out "$study" >"$OUT/scale.txt" 2>&1
+  mkdir -p "$OUT/quality_olmo2_125m" && cp "$study"/runs.json "$study"/table.md "$study"/*.png "$OUT/quality_olmo2_125m/"
 }
 
 # The unit tier on CUDA.

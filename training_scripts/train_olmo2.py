@@ -28,10 +28,13 @@ exp(validation loss).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from itertools import chain
+from pathlib import Path
 
-from datasets import Dataset, load_dataset
+from datasets import Dataset, load_dataset, load_from_disk
 from offline_data import (
     bpe_tokenizer,
     english_paragraphs,
@@ -55,6 +58,7 @@ from transformers import (
     AutoTokenizer,
     Olmo2Config,
     Olmo2ForCausalLM,
+    PreTrainedTokenizerFast,
     Trainer,
     TrainingArguments,
     default_data_collator,
@@ -73,6 +77,14 @@ class Olmo2Arguments(ScriptArguments):
     vocab_size: int = dataclasses.field(default=4096, metadata={"help": "offline: tokenizer vocabulary."})
     hidden_size: int = dataclasses.field(default=128, metadata={"help": "offline: model width."})
     num_layers: int = dataclasses.field(default=2, metadata={"help": "offline: decoder layers."})
+    data_cache: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "offline, from a config: a folder that keeps the trained tokenizer and the tokenized blocks, so "
+            "that later runs with the same text, vocabulary, block size, seed and sample limits skip preparing them "
+            "(a minute for 'python_source')."
+        },
+    )
     offline_text: str = dataclasses.field(
         default="pydoc",
         metadata={
@@ -122,19 +134,24 @@ def load_texts(args: Olmo2Arguments, seed: int):
 def build_model_and_tokenizer(args: Olmo2Arguments, train: Dataset, training_args: TrainingArguments):
     if args.offline and args.from_config:
         tokenizer = shared_tokenizer(lambda: bpe_tokenizer(list(train["text"]), args.vocab_size), training_args)
-        config = Olmo2Config(
-            vocab_size=len(tokenizer),
-            hidden_size=args.hidden_size,
-            intermediate_size=4 * args.hidden_size,
-            num_hidden_layers=args.num_layers,
-            num_attention_heads=4,
-            max_position_embeddings=args.block_size,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        return Olmo2ForCausalLM(config), tokenizer
+        return offline_model(args, tokenizer), tokenizer
     return hub_model(AutoModelForCausalLM, args), AutoTokenizer.from_pretrained(args.model_name_or_path)
+
+
+def offline_model(args: Olmo2Arguments, tokenizer) -> Olmo2ForCausalLM:
+    """The offline preset's OLMo2, built from a config around ``tokenizer``."""
+    config = Olmo2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=4 * args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=4,
+        max_position_embeddings=args.block_size,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return Olmo2ForCausalLM(config)
 
 
 class LanguageModelTrainer(ScriptTrainerMixin, Trainer):
@@ -143,6 +160,32 @@ class LanguageModelTrainer(ScriptTrainerMixin, Trainer):
 
 def main() -> None:
     args, training_args = parse_arguments((Olmo2Arguments, TrainingArguments), PRESETS, COMMON)
+    cache = data_cache(args, training_args)
+    if cache is not None and (cache / "ready").exists():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(cache / "tokenizer")
+        blocks = load_from_disk(str(cache / "blocks"))
+        model = offline_model(args, tokenizer)
+    else:
+        model, tokenizer, blocks = prepare(args, training_args)
+        if cache is not None and training_args.process_index == 0:
+            tokenizer.save_pretrained(cache / "tokenizer")
+            blocks.save_to_disk(str(cache / "blocks"))
+            (cache / "ready").touch()  # last: a cache cut short is prepared again
+    train_blocks(args, training_args, model, tokenizer, blocks)
+
+
+def data_cache(args: Olmo2Arguments, training_args: TrainingArguments) -> Path | None:
+    """``--data_cache``'s folder for this run's text, tokenizer and blocks; None without it (or off the offline
+    preset's model built from a config)."""
+    if not (args.data_cache and args.offline and args.from_config):
+        return None
+    key = [args.offline_text, args.vocab_size, args.block_size, training_args.seed]
+    key += [args.max_train_samples, args.max_eval_samples]
+    return Path(args.data_cache) / hashlib.sha1(json.dumps(key).encode()).hexdigest()[:12]
+
+
+def prepare(args: Olmo2Arguments, training_args: TrainingArguments):
+    """The model, its tokenizer, and the text cut into blocks of ``block_size`` tokens."""
     with training_args.main_process_first(desc="loading data"):
         data = load_texts(args, training_args.seed)
     limit_samples(data, args)
@@ -162,7 +205,10 @@ def main() -> None:
     with training_args.main_process_first(desc="tokenizing"):
         tokenized = data.map(tokenize, batched=True, remove_columns=["text"], desc="Tokenizing")
         blocks = tokenized.map(group, batched=True, desc=f"Grouping into blocks of {args.block_size}")
+    return model, tokenizer, blocks
 
+
+def train_blocks(args: Olmo2Arguments, training_args: TrainingArguments, model, tokenizer, blocks) -> None:
     with hub_errors(training_args):
         trainer = LanguageModelTrainer(
             model=model,
