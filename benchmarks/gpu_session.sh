@@ -98,8 +98,9 @@ section_ft() {
 # The loss at about 125M parameters (issue 44): AdamW-HSDP, the default and the wire presets 2bit and top128_4bit,
 # 2 replicas simulated in one process, 1,000 steps, each side's rate swept on seed 0, then seed 1 at the winner.
 # The study is resumable: carry benchmarks/results/quality_olmo2_125m (its runs.json) and finished runs are not
-# repeated; --time_budget starts no run after 4 minutes (a run is estimated at 1 to 2 minutes there, not yet measured), so one call ends within the device tool's 10. A dry run
-# of every configuration on a tiny model comes first (seconds) and stops the section if the pipeline is broken.
+# repeated. --time_budget starts no run after 4 minutes (a run is estimated at 1 to 2 minutes there, not yet
+# measured), so that one call ends within the device tool's 10 minutes. A dry run of every configuration on a tiny
+# model comes first and stops the section if the pipeline is broken.
 section_scale() {
   local study=benchmarks/results/quality_olmo2_125m
   timeout 180 python benchmarks/quality_study.py --model olmo2_125m --dry_run >"$OUT/scale_dry_run.txt" 2>&1 || return
