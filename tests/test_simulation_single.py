@@ -119,3 +119,13 @@ def test_the_trainer_trains_each_part_of_the_accumulation_as_a_replica(tok, tmp_
 def test_an_accumulation_that_does_not_split_into_the_replicas_is_refused(tok, tmp_path):
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=3 does not split into 2 equal parts.*\(2, 4, 6"):
         trainer(tok, tmp_path, gradient_accumulation_steps=3)
+
+
+def test_a_trainer_checkpoint_resumes_the_simulation_exactly(tok, tmp_path):
+    """Every replica's momentum goes into the Trainer's checkpoint: 2 + 2 steps equal 4, bitwise."""
+    whole = trainer(tok, tmp_path / "whole", save_strategy="steps", save_steps=2)
+    whole.train()
+    resumed = trainer(tok, tmp_path / "resumed", save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    for (name, mine), theirs in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(mine, theirs), name
