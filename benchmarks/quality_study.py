@@ -189,6 +189,7 @@ SWEEPS = {
     },
     # At scale: each side's small-scale best and the next rate in the direction larger models move (down), the
     # compressed presets from their small-scale best (twice the default's) down.
+    # (The other configurations take OLMo2's sweeps there; see below.)
     "olmo2_10x": {
         "adamw_hsdp": (2e-3, 4e-3), "demo_ortho_adam": (2e-3, 4e-3),
         "wire_2bit_ortho_adam": (4e-3, 8e-3), "wire_top128_4bit_ortho_adam": (4e-3, 8e-3),
@@ -202,6 +203,9 @@ SWEEPS = {
     "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2) for name in CONFIGS}
     | {"demo_adam": (2e-3, 4e-3, 8e-3, 1.6e-2), "demo_ortho": (4e-3, 8e-3, 1.6e-2)},  # about the others' best (8e-3)
 }
+
+for _model in ("olmo2_10x", "olmo2_125m"):
+    SWEEPS[_model] = SWEEPS["olmo2"] | SWEEPS[_model]
 
 
 # model: (script, its flags); "{base}" is the study's pretrained base model (olmo2_ft).

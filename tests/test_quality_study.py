@@ -55,7 +55,7 @@ def test_fine_tuning_runs_start_from_the_study_base_model(tmp_path, monkeypatch)
     import quality_study
 
     launched = []
-    monkeypatch.setattr(quality_study, "launch", lambda script, args, out: launched.append((script, args, out)))
+    monkeypatch.setattr(quality_study, "launch", lambda script, args, out, **kw: launched.append((script, args, out)))
     base = quality_study.base_model(tmp_path)
     assert base == tmp_path / "base" and "docstrings" in launched[0][1] and "adamw_torch" in launched[0][1]
     (base / "model.safetensors").parent.mkdir(parents=True)
@@ -145,3 +145,45 @@ def test_a_missing_matplotlib_is_said_before_the_runs_with_the_install_line(monk
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the extra looks like
     with pytest.raises(SystemExit, match=r"pip install -e '\.\[bench\]'"):
         check_plotting()
+
+
+def test_the_presets_at_scale_simulate_two_replicas_in_one_process(tmp_path, monkeypatch):
+    import quality_study
+
+    launched = []
+    monkeypatch.setattr(quality_study, "launch", lambda script, args, out, **kw: launched.append((args, kw)))
+    for name in ("demo_ortho_adam", "adamw_hsdp"):
+        with pytest.raises(FileNotFoundError):  # the launch was faked: no trainer_state.json
+            quality_study.run("olmo2_10x", name, 1e-3, 0, 10, tmp_path, 0, None)
+    (flexdemo, kw), (adamw, _) = launched
+    assert kw == {"one_process": True}
+    for args in (flexdemo, adamw):  # one micro-batch per replica: AdamW-HSDP's counterpart takes their mean
+        assert args[args.index("--gradient_accumulation_steps") + 1] == "2"
+        assert args[args.index("--hidden_size") + 1] == "320" and args[args.index("--num_layers") + 1] == "8"
+    optim_args = flexdemo[flexdemo.index("--optim_args") + 1].split(",")
+    assert "simulate_replicas=2" in optim_args and "ns_dtype=float32" in optim_args
+    assert "--optim_args" not in adamw
+
+
+def test_a_study_cut_short_by_its_time_budget_resumes_where_it_stopped(tmp_path, monkeypatch):
+    import argparse
+
+    import quality_study
+
+    clock, calls = [0.0], []
+
+    def fake_run(model, name, lr, seed, steps, work, batch, base, timing=False):
+        calls.append((name, lr, seed))
+        clock[0] += 100  # every run takes 100 s
+        return {"model": model, "config": name, "lr": lr, "seed": seed, "steps": steps, "final_eval_loss": lr}
+
+    monkeypatch.setattr(quality_study, "run", fake_run)
+    monkeypatch.setattr(quality_study.time, "time", lambda: clock[0])
+    configs = ["adamw_hsdp", "demo_ortho_adam"]
+    args = argparse.Namespace(
+        model="olmo2_10x", configs=configs, out=tmp_path, rates={}, steps=10, batch=0, seeds=[0, 1], time_budget=250
+    )
+    assert not quality_study.study(args)  # runs started at 0, 100 and 200 s; none after 250 s
+    assert calls == [("adamw_hsdp", 2e-3, 0), ("adamw_hsdp", 4e-3, 0), ("demo_ortho_adam", 2e-3, 0)]
+    assert quality_study.study(args)  # resumed: nothing twice, every sweep before any further seed
+    assert calls[3:] == [("demo_ortho_adam", 4e-3, 0), ("adamw_hsdp", 2e-3, 1), ("demo_ortho_adam", 2e-3, 1)]

@@ -61,3 +61,9 @@ def test_adamw_on_the_accumulated_micro_batches_is_adamw_hsdp(nodes):
     replicas, ranks = nodes
     for mine, theirs in zip(adamw(replicas, rank=None), ranks[0]["adamw"]):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_simulation_inside_a_real_replicate_group_is_refused(nodes):
+    replicas, ranks = nodes
+    for node in ranks:
+        assert f"also has a real replicate group of {replicas} nodes. Use one or the other" in node["refused"]

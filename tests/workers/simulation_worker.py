@@ -73,6 +73,20 @@ def adamw(replicas: int, rank: int | None) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def refusal_with_a_real_group(mesh) -> str:
+    """The message of a simulation asked for inside a real replicate group ('' if it trained)."""
+    model = OddShapes()
+    opt = FlexDeMo(model.parameters(), lr=0.01, mesh=mesh, simulate_replicas=2, elementwise=[])
+    for _ in range(2):
+        torch.nn.functional.mse_loss(model(batch(0, 0, 0)[0]), batch(0, 0, 0)[1]).backward()
+        opt.next_replica()
+    try:
+        opt.step()
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -80,6 +94,7 @@ def main(out: Path) -> None:
     mesh = init_device_mesh("cpu", (replicas,), mesh_dim_names=("replicate",))
     results = {name: train(name, replicas, rank, mesh) for name in CONFIGS}
     results["adamw"] = adamw(replicas, rank)
+    results["refused"] = refusal_with_a_real_group(mesh)
     torch.save(results, out / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
