@@ -519,7 +519,14 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
             f"write {text.replace(';', ',')!r}."
         )
     known = {f.name: f for f in dataclasses.fields(FlexDeMoConfig)}
-    for item in text.replace(" ", "").split(","):
+    given: dict[str, str] = {}  # key -> its text as written
+    for written in text.split(","):
+        if len(written.split()) > 1 and written.count("=") > 1:  # "chunk=64 topk=32": a space for a comma
+            raise ValueError(
+                f"FlexDeMo optim_args={text!r}: settings are separated by commas; {written.strip()!r} reads as one "
+                f"setting. Write {','.join(written.split())!r}."
+            )
+        item = "".join(written.split())
         if not item:
             continue
         key, sep, raw = item.partition("=")
@@ -527,6 +534,12 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
             raise ValueError(f"FlexDeMo optim_args: {item!r} is not of the form key=value.")
         if key not in known:
             raise ValueError(_unknown_key_message(key, raw))
+        if key in given:
+            raise ValueError(
+                f"FlexDeMo optim_args: {key} is given twice ({key}={given[key]} and {key}={raw}); keep the one you "
+                "mean."
+            )
+        given[key] = raw
         values[key] = _parse_value(key, raw, known[key].default)
     preset = WIRE_PRESETS.get(values.get("wire"), {})
     for key, value in values.items():  # given in the text: refused even at its default, unlike FlexDeMo(...)'s

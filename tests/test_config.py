@@ -115,6 +115,18 @@ def test_semicolons_are_refused_with_the_comma_separated_form():
         parse_optim_args("topk=32;chunk=64")
 
 
+def test_a_key_given_twice_is_refused_with_both_values():
+    with pytest.raises(ValueError, match=r"topk is given twice \(topk=32 and topk=16\)"):
+        parse_optim_args("topk=32,chunk=64,topk=16")
+
+
+def test_a_space_where_a_comma_belongs_is_refused_with_the_text_read_and_the_comma_form():
+    expected = "separated by commas; 'chunk=64 topk=32' reads as one setting. Write 'chunk=64,topk=32'"
+    with pytest.raises(ValueError, match=expected):
+        parse_optim_args("chunk=64 topk=32")
+    assert parse_optim_args(" topk = 32 , chunk=64") == {"topk": 32, "chunk": 64}  # spaces around a setting are fine
+
+
 def test_every_flexdemo_only_setting_is_refused_with_another_optimizer():
     # A key missing here would be dropped silently by --optim adamw_torch --optim_args ...
     assert set(OWN_KEYS) | set(SHARED_KEYS) == set(FlexDeMoConfig.field_names())
