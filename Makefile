@@ -2,7 +2,8 @@
 # Each creates the virtual environment on first use. TORCH_SPEC pins the CPU wheel this
 # machine has on disk; on a GPU machine use your own torch (`pip install -e .`).
 # `make test` also builds .venv-lowest with the lowest supported transformers/accelerate
-# (constraints/lowest.txt) and runs the `lowest` subset there.
+# (constraints/lowest.txt) and runs the `lowest` subset there, and .venv-lean with the package alone (no extras) for
+# the `lean` subset.
 
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
@@ -10,8 +11,10 @@ LOWEST_VENV ?= .venv-lowest
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 LOWEST_STAMP := $(LOWEST_VENV)/.installed
+LEAN_VENV ?= .venv-lean
+LEAN_STAMP := $(LEAN_VENV)/.installed
 
-.PHONY: demo test test-unit test-lowest venv docs
+.PHONY: demo test test-unit test-lowest test-lean venv docs
 
 venv: $(STAMP)
 
@@ -27,19 +30,29 @@ $(LOWEST_STAMP): setup.cfg pyproject.toml constraints/lowest.txt
 	$(LOWEST_VENV)/bin/python -m pip install --quiet -e ".[test]" -c constraints/lowest.txt
 	touch $(LOWEST_STAMP)
 
+# The package alone (`pip install -e .`: torch, transformers, accelerate), as a user of the optimizer installs it.
+$(LEAN_STAMP): setup.cfg pyproject.toml
+	python3 -m venv $(LEAN_VENV)
+	$(LEAN_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(LEAN_VENV)/bin/python -m pip install --quiet -e . "pytest>=8"
+	touch $(LEAN_STAMP)
+
 # T5 translation, offline preset, 2 simulated nodes x 2 processes on this machine's CPU.
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_2x2.yaml \
 		training_scripts/train_t5.py --preset offline
 
-test: test-lowest $(STAMP)
-	$(PYTHON) -m pytest -q --durations=10
+test: test-lowest test-lean $(STAMP)
+	$(PYTHON) -m pytest -q --durations=10 -m "not lean"
 
 test-unit: $(STAMP)
 	$(PYTHON) -m pytest -q -m unit
 
 test-lowest: $(LOWEST_STAMP)
 	$(LOWEST_VENV)/bin/python -m pytest -q -m lowest
+
+test-lean: $(LEAN_STAMP)
+	FLEXDEMO_LEAN_VENV=1 $(LEAN_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_lean_install.py
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or a page left out of the nav.
 docs: $(STAMP)
