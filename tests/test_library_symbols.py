@@ -38,13 +38,14 @@ def test_the_symbols_we_wrap_exist(module, name):
     assert hasattr(importlib.import_module(module), name), f"{module}.{name} moved ({transformers.__version__})"
 
 
-def test_the_cpu_bf16_probe_behind_ns_dtype_auto_exists():
-    """ns_dtype='auto' asks torch whether it sends bf16 matrix products to oneDNN (a private op). Without it
-    the rule takes float32 on every CPU: correct, but slower where bf16 is fast, so a release that moves it
-    fails here."""
+def test_the_cpu_bf16_probes_behind_ns_dtype_auto_exist():
+    """ns_dtype='auto' asks torch whether the CPU has AVX-512 BF16 or AMX (private functions). Without them the
+    rule takes float32 on every CPU: correct, but slower where bf16 is fast, so a release that moves them fails
+    here."""
     import torch
 
-    assert isinstance(torch.ops.mkldnn._is_mkldnn_bf16_supported(), bool)
+    assert isinstance(torch.cpu._is_avx512_bf16_supported(), bool)
+    assert isinstance(torch.cpu._is_amx_tile_supported(), bool)
 
 
 def test_the_optimizer_table_is_where_this_major_version_keeps_it():

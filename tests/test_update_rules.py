@@ -395,8 +395,9 @@ def test_newton_schulz_in_bf16_orthogonalizes_as_float32_does():
 @pytest.mark.parametrize(
     "device,fast,expected",
     [
-        ("cpu", True, torch.bfloat16),  # torch sends bf16 products to oneDNN (AVX-512, AMX)
-        ("cpu", False, torch.float32),  # AVX2 only: bf16 products loop, about 16x slower than float32
+        ("cpu", (True, False), torch.bfloat16),  # AVX-512 BF16
+        ("cpu", (False, True), torch.bfloat16),  # AMX
+        ("cpu", (False, False), torch.float32),  # AVX-512 alone (oneDNN emulates bf16, 2.4x slower) or AVX2
         ("cuda", (8, 0), torch.bfloat16),  # Ampere and newer: bf16 tensor cores
         ("cuda", (7, 0), torch.float32),  # V100: no bf16 units
         ("mps", None, torch.float32),
@@ -405,7 +406,10 @@ def test_newton_schulz_in_bf16_orthogonalizes_as_float32_does():
 def test_ns_dtype_auto_picks_bf16_only_where_the_device_multiplies_it_fast(monkeypatch, device, fast, expected):
     from hf_flexdemo.updates import orthogonal
 
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: fast)
+    if device == "cpu":
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: fast[0])
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: fast[1])
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # says bf16 works, not fast
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: fast)
     assert orthogonal.newton_schulz_dtype("auto", torch.device(device)) == expected
     # An explicit choice stands on every device.
