@@ -223,7 +223,6 @@ AdamW on the mean of the R micro-batches' gradients), one micro-batch per replic
 PRESETS |= {
     # About 10x the offline preset's 1.6M parameters (15.7M: width 320, 8 layers, the same 4,096-token vocabulary
     # and 128-token blocks), on 2 CPU cores.
-    # Newton-Schulz in float32: these CPUs have no bf16 units, and ns_dtype='auto' picks bf16 here (issue 46).
     "olmo2_10x": ("train_olmo2.py", ["--offline_text", "stdlib", "--hidden_size", "320", "--num_layers", "8"]),
     # About 125M (width 768, 12 layers, a 32,768-token vocabulary, 512-token blocks) on one GPU, on 40 MB of
     # Python source: 1,000 steps of 2 x 8 blocks read 8M tokens, less than the text holds.
@@ -233,9 +232,6 @@ PRESETS |= {
          "--block_size", "512", "--bf16", "--dataloader_num_workers", "2"],
     ),  # fmt: skip
 }
-CPU_NEWTON_SCHULZ_FP32 = ("olmo2_10x",)
-"""CPU presets whose orthogonal rule runs Newton-Schulz in float32: ns_dtype='auto' picks bf16 on these CPUs, which
-emulate it 2.4x slower (issue 46); the loss is the default rule's either way, to bf16 rounding."""
 SCALE_CONFIGS = ("adamw_hsdp", "demo_ortho_adam", "wire_2bit_ortho_adam", "wire_top128_4bit_ortho_adam")
 """AdamW-HSDP, the default (DeMo's wire and the default rule), and the two compressed presets the README leads with."""
 DATA_CACHE = ROOT / "benchmarks" / "results" / "data_cache"
@@ -303,8 +299,7 @@ def run(
     if replicas:  # one micro-batch per simulated replica; the text tokenized once for every run
         args += ["--gradient_accumulation_steps", str(replicas), "--data_cache", str(DATA_CACHE)]
         if optim == "flexdemo":
-            extra = "ns_dtype=float32" if model in CPU_NEWTON_SCHULZ_FP32 and "update=orthogonal" in optim_args else ""
-            optim_args = ",".join(filter(None, (optim_args, f"simulate_replicas={replicas}", extra)))
+            optim_args = ",".join(filter(None, (optim_args, f"simulate_replicas={replicas}")))
     if dry_run:
         args += DRY_RUN + (["--bf16", "false"] if "--bf16" in args else [])
     if optim_args:

@@ -161,7 +161,7 @@ def test_the_presets_at_scale_simulate_two_replicas_in_one_process(tmp_path, mon
         assert args[args.index("--gradient_accumulation_steps") + 1] == "2"
         assert args[args.index("--hidden_size") + 1] == "320" and args[args.index("--num_layers") + 1] == "8"
     optim_args = flexdemo[flexdemo.index("--optim_args") + 1].split(",")
-    assert "simulate_replicas=2" in optim_args and "ns_dtype=float32" in optim_args
+    assert "simulate_replicas=2" in optim_args
     assert "--optim_args" not in adamw
 
 
