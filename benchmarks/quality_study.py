@@ -570,8 +570,9 @@ def report(out: Path) -> None:
             "| time to AdamW-HSDP's final loss at 100 Mbit/s (x its time) |",
             "| --- " * (10 + 2 * scored) + "|",
         ]  # fmt: skip
+        simulated = model in SIMULATED  # a step's time is every replica's compute in one process: no link model
         for name, row in rows.items():
-            reach = time_to_baseline(row, rows["adamw_hsdp"]) if "adamw_hsdp" in rows else None
+            reach = time_to_baseline(row, rows["adamw_hsdp"]) if "adamw_hsdp" in rows and not simulated else None
             swept = ", ".join(f"{lr:g}" for lr in row["swept"])
             scores = "".join(f" {row[s][0]:.2f} +- {row[s][1]:.2f} |" for s in ("bleu", "chrf")) if scored else ""
             lines.append(
@@ -579,18 +580,20 @@ def report(out: Path) -> None:
                 f"| {row['loss_mean']:.4f} +- {row['loss_spread']:.4f} "
                 f"| {row.get('vs_adamw', float('nan')):+.1%} |{scores} {row.get('bytes_per_step', float('nan')):,.0f} "
                 f"| {row.get('ratio_to_dense', float('nan')):.0f} | {row['step_s']:.3f} ({row['timed']}) "
-                f"| {modelled_step(row, '100mbit'):.3f}, {modelled_step(row, '1gbit'):.3f} "
-                f"| {'not reached' if reach is None else f'{reach:.2f}'} |"
-            )
+                + (
+                    "| not modelled (simulated replicas) | not modelled |" if simulated else
+                    f"| {modelled_step(row, '100mbit'):.3f}, {modelled_step(row, '1gbit'):.3f} "
+                    f"| {'not reached' if reach is None else f'{reach:.2f}'} |"
+                )
+            )  # fmt: skip
         lines.append("")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     for model in sorted({m for m, _ in table}):
         every = {name: row for (m, name), row in table.items() if m == model}
         rules = {name: row for name, row in every.items() if name in RULES_PLOT or name.endswith(("_adam", "_ortho"))}
-        for prefix, rows, axis in [(model, every, a) for a in ("steps", *RATES)] + [
-            (f"{model}_rules", rules, a) for a in ("steps", *RATES)
-        ]:
+        axes = ("steps",) if model in SIMULATED else ("steps", *RATES)
+        for prefix, rows, axis in [(model, every, a) for a in axes] + [(f"{model}_rules", rules, a) for a in axes]:
             fig, ax = plt.subplots(figsize=(8, 5))
             for index, (name, row) in enumerate(rows.items()):
                 steps, mean = zip(*mean_curve(row))
