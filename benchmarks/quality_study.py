@@ -221,14 +221,14 @@ SIMULATED = {"olmo2_10x": 2, "olmo2_125m": 2}
 """The presets at scale: R replicas simulated in one process (``simulate_replicas``; AdamW-HSDP's counterpart is
 AdamW on the mean of the R micro-batches' gradients), one micro-batch per replica and step."""
 PRESETS |= {
-    # About 10x the offline preset's 1.6M parameters (15.7M: width 320, 8 layers, the same 4,096-token vocabulary
-    # and 128-token blocks), on 2 CPU cores.
+    # 10x the offline preset's 1.57M parameters (15.7M: width 320, 8 layers, the same 4,096-token vocabulary and
+    # 128-token blocks), on 2 CPU cores.
     "olmo2_10x": ("train_olmo2.py", ["--offline_text", "stdlib", "--hidden_size", "320", "--num_layers", "8"]),
-    # About 125M (width 768, 12 layers, a 32,768-token vocabulary, 512-token blocks) on one GPU, on 40 MB of
-    # Python source: 1,000 steps of 2 x 8 blocks read 8M tokens, less than the text holds.
+    # 125.9M (width 768, 12 layers, an 8,192-token vocabulary, 512-token blocks) on one GPU, on 40 MB of Python
+    # source: 1,000 steps of 2 x 8 blocks read 8M tokens, less than the text holds.
     "olmo2_125m": (
         "train_olmo2.py",
-        ["--offline_text", "python_source", "--hidden_size", "768", "--num_layers", "12", "--vocab_size", "32768",
+        ["--offline_text", "python_source", "--hidden_size", "768", "--num_layers", "12", "--vocab_size", "8192",
          "--block_size", "512", "--bf16", "--dataloader_num_workers", "2"],
     ),  # fmt: skip
 }
