@@ -191,7 +191,7 @@ SWEEPS = {
     # compressed presets from their small-scale best (twice the default's) down.
     # (The other configurations take OLMo2's sweeps there; see below.)
     "olmo2_10x": {
-        "adamw_hsdp": (2e-3, 4e-3), "demo_ortho_adam": (2e-3, 4e-3),
+        "adamw_hsdp": (1e-3, 2e-3, 4e-3), "demo_ortho_adam": (2e-3, 4e-3),  # AdamW's best sat at 2e-3, the bottom
         "wire_2bit_ortho_adam": (4e-3, 8e-3), "wire_top128_4bit_ortho_adam": (4e-3, 8e-3),
     },  # fmt: skip
     "olmo2_125m": {
