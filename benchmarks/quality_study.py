@@ -616,7 +616,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, help="per process (default: the preset's, 8 for OLMo2, 16 for T5)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument(
+        "--configs", nargs="+", choices=list(CONFIGS), help="default: every configuration (the presets at scale: 4)"
+    )
     parser.add_argument(
         "--rates",
         nargs="+",
@@ -642,8 +644,8 @@ def main() -> None:
         "--dry_run", action="store_true", help=f"{SIMULATED} presets: each configuration 3 steps on a tiny model"
     )
     args = parser.parse_args()
-    if args.model in SIMULATED and "--configs" not in sys.argv:
-        args.configs = list(SCALE_CONFIGS)
+    if args.configs is None:
+        args.configs = list(SCALE_CONFIGS if args.model in SIMULATED else CONFIGS)
     args.rates = {k: tuple(float(v) for v in lrs.split(":")) for k, _, lrs in (r.partition("=") for r in args.rates)}
     check_plotting()
     if args.report:

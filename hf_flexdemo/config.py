@@ -212,8 +212,9 @@ class FlexDeMoConfig:
     simulate_replicas: int = field(
         default=1,
         metadata={
-            "help": "Train R replicas exactly as R nodes would, in one process: each of R equal parts of a step's "
-            "micro-batches is one replica's gradient, folded into that replica's own momentum and encoded by the "
+            "help": "Train R replicas as R nodes would, in one process (bitwise on DeMo's wire): each of R equal "
+            "parts of a step's micro-batches is one replica's gradient, folded into that replica's own momentum and "
+            "encoded by the "
             "scheme; the payloads meet in a local collective and one update moves the one model. The Trainer "
             "takes gradient_accumulation_steps (a multiple of R) micro-batches per step; plain PyTorch calls "
             "optimizer.next_replica() after each replica's backward. For trying a configuration on one GPU before "

@@ -99,41 +99,43 @@ class ReplicaGradients:
 
     def __init__(self, replicas: int):
         self.replicas = replicas
-        self._banked: list[dict[torch.Tensor, torch.Tensor | None]] = []
-
-    @property
-    def banked(self) -> int:
-        return len(self._banked)
+        self.banked: list[dict[torch.Tensor, torch.Tensor | None]] = []
+        """The replicas' gradients taken so far this step, in replica order, by parameter (None: no gradient)."""
 
     def take(self, params: list[torch.Tensor]) -> None:
         """The gradients now in ``params``' ``.grad`` are the next replica's; ``.grad`` is left empty for the next."""
-        if self.banked == self.replicas:
+        if len(self.banked) == self.replicas:
             raise RuntimeError(
                 f"FlexDeMo: simulate_replicas={self.replicas}, but next_replica() was called a "
                 f"{self.replicas + 1}th time before optimizer.step(); call it once after each replica's backward "
                 f"(at most {self.replicas} times a step)."
             )
-        self._banked.append({p: p.grad for p in params})
+        self.banked.append({p: p.grad for p in params})
         for p in params:
             p.grad = None
 
-    def for_step(self, params: list[torch.Tensor]) -> list[dict[torch.Tensor, torch.Tensor | None] | None]:
-        """Each replica's gradients for this step (None: read ``.grad``, the last replica's), and the bank emptied."""
-        banked, self._banked = self._banked, []
-        if len(banked) == self.replicas - 1:
-            return [*banked, None]
-        if len(banked) == self.replicas and all(p.grad is None for p in params):
-            return banked
-        given = len(banked) + 1
+    def check(self, params: list[torch.Tensor]) -> None:
+        """Before a step changes anything: refuse a step that does not hold every replica's gradient."""
+        in_grad = any(p.grad is not None for p in params)
+        given = len(self.banked) + in_grad
+        if given == self.replicas:
+            return
+        if given == self.replicas - 1 and self.banked and not in_grad:  # next_replica() after every backward of R-1
+            given = f"{given} (next_replica() was called {len(self.banked)} times and .grad is empty)"
+        self.banked = []
         raise RuntimeError(
             f"FlexDeMo: simulate_replicas={self.replicas} takes {self.replicas} replicas' gradients a step, but this "
-            f"step has {given if given <= self.replicas else 'more than ' + str(self.replicas)}. Call "
-            f"optimizer.next_replica() after each replica's backward but the last (or after every one); with the "
-            f"Trainer, set gradient_accumulation_steps to a multiple of {self.replicas}."
+            f"step has {given}. Call optimizer.next_replica() after each replica's backward but the last (or after "
+            f"every one); with the Trainer, set gradient_accumulation_steps to a multiple of {self.replicas}."
         )
 
+    def for_step(self) -> list[dict[torch.Tensor, torch.Tensor | None] | None]:
+        """Each replica's gradients for this step (None: read ``.grad``, the last replica's), and the bank emptied."""
+        banked, self.banked = self.banked, []
+        return banked if len(banked) == self.replicas else [*banked, None]
+
     def clear(self) -> None:
-        self._banked = []
+        self.banked = []
 
 
 def check_simulation_layout(params: list[torch.Tensor], topology: ReplicaTopology, replicas: int) -> None:

@@ -184,6 +184,8 @@ def test_a_study_cut_short_by_its_time_budget_resumes_where_it_stopped(tmp_path,
         model="olmo2_10x", configs=configs, out=tmp_path, rates={}, steps=10, batch=0, seeds=[0, 1], time_budget=250
     )
     assert not quality_study.study(args)  # runs started at 0, 100 and 200 s; none after 250 s
-    assert calls == [("adamw_hsdp", 2e-3, 0), ("adamw_hsdp", 4e-3, 0), ("demo_ortho_adam", 2e-3, 0)]
+    assert calls == [("adamw_hsdp", 1e-3, 0), ("adamw_hsdp", 2e-3, 0), ("adamw_hsdp", 4e-3, 0)]
     assert quality_study.study(args)  # resumed: nothing twice, every sweep before any further seed
-    assert calls[3:] == [("demo_ortho_adam", 4e-3, 0), ("adamw_hsdp", 2e-3, 1), ("demo_ortho_adam", 2e-3, 1)]
+    assert calls[3:] == [
+        ("demo_ortho_adam", 2e-3, 0), ("demo_ortho_adam", 4e-3, 0), ("adamw_hsdp", 1e-3, 1), ("demo_ortho_adam", 2e-3, 1)
+    ]  # fmt: skip

@@ -56,13 +56,29 @@ def test_a_saved_simulation_resumes_exactly():
     assert not torch.equal(momentum[0], momentum[1]), "replicas' momenta should differ: their data does"
 
 
-def test_a_step_with_the_wrong_number_of_replicas_is_refused():
+def test_a_step_with_the_wrong_number_of_replicas_is_refused_and_changes_nothing():
     model = OddShapes()
     opt = FlexDeMo(model.parameters(), lr=0.01, simulate_replicas=3, elementwise=[])
-    torch.nn.functional.mse_loss(model(batch(0, 0, 0)[0]), batch(0, 0, 0)[1]).backward()
+    simulated_steps(model, opt, range(1), 3)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def backward():
+        x, y = batch(0, 0, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+
+    backward()
     opt.next_replica()
-    with pytest.raises(RuntimeError, match=r"takes 3 replicas' gradients a step, but this step has 2.*next_replica"):
+    backward()  # replica 1's gradient in .grad: 2 of 3
+    with pytest.raises(RuntimeError, match=r"takes 3 replicas' gradients a step, but this step has 2\. .*next_replica"):
         opt.step()
+    opt.zero_grad()
+    for _ in range(2):  # next_replica() after every backward, of 2 replicas only
+        backward()
+        opt.next_replica()
+    with pytest.raises(RuntimeError, match=r"has 2 \(next_replica\(\) was called 2 times and .grad is empty\)"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert int(opt.state[model.lin.weight]["step"]) == 1  # the refused steps did not count
     plain = FlexDeMo(model.parameters(), lr=0.01, elementwise=[])
     with pytest.raises(RuntimeError, match="next_replica.. belongs to simulate_replicas"):
         plain.next_replica()
@@ -129,3 +145,29 @@ def test_a_trainer_checkpoint_resumes_the_simulation_exactly(tok, tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
     for (name, mine), theirs in zip(whole.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(mine, theirs), name
+
+
+def test_each_replica_becomes_the_mean_over_its_own_micro_batches_also_on_a_short_step():
+    """A short step (3 micro-batches of 4): the Trainer divided each loss by 3; replica 0 had 2, replica 1 had 1."""
+    from hf_flexdemo.integrations.simulation import SimulatedSteps
+
+    weight = torch.nn.Parameter(torch.zeros(4, 4))
+    opt = FlexDeMo([weight], lr=0.01, simulate_replicas=2, elementwise=[])
+    args = TrainingArguments("unused", gradient_accumulation_steps=4, max_grad_norm=0, use_cpu=True, report_to="none")
+    steps = SimulatedSteps(opt, args, 2)
+    weight.grad = torch.full((4, 4), 2 / 3)  # two micro-batches of gradient 1, each divided by 3
+    steps.close_replica(2)
+    weight.grad = torch.full((4, 4), 5 / 3)  # one micro-batch of gradient 5
+    steps.close_step(args, micro_steps=3, step=1)
+    (first,), (second,) = (list(grads.values()) for grads in opt.replica_gradients)
+    torch.testing.assert_close(first, torch.ones(4, 4))
+    torch.testing.assert_close(second, torch.full((4, 4), 5.0))
+    clipped = TrainingArguments("unused", gradient_accumulation_steps=2, max_grad_norm=1.0, use_cpu=True, report_to="none")
+    opt.step()
+    steps = SimulatedSteps(opt, clipped, 2)
+    weight.grad = torch.full((4, 4), 0.5)  # the mean of 1s over 2: the replica's own gradient has norm 4
+    steps.close_replica(1)
+    weight.grad = torch.full((4, 4), 0.01)
+    steps.close_step(clipped, micro_steps=2, step=2)
+    norms = [float(torch.linalg.vector_norm(next(iter(g.values())))) for g in opt.replica_gradients]
+    assert norms == pytest.approx([1.0, 0.08], rel=1e-5)  # clipped to max_grad_norm on its own; the other not

@@ -82,7 +82,8 @@ class Olmo2Arguments(ScriptArguments):
         metadata={
             "help": "offline, from a config: a folder that keeps the trained tokenizer and the tokenized blocks, so "
             "that later runs with the same text, vocabulary, block size, seed and sample limits skip preparing them "
-            "(a minute for 'python_source')."
+            "(a minute for 'python_source'). The key does not cover the preparation's code or the installed packages "
+            "that 'python_source' reads: empty the folder after changing either."
         },
     )
     offline_text: str = dataclasses.field(

@@ -142,7 +142,7 @@ class FlexDeMoCallback(TrainerCallback):
         """simulate_replicas: a replica's last micro-batch is done; the next ones are the next replica's."""
         self._micro_steps += 1
         if self._simulation is not None and self._micro_steps % self._simulation.micro_steps == 0:
-            self._simulation.close_replica(args)
+            self._simulation.close_replica(self._simulation.micro_steps)
 
     def on_pre_optimizer_step(self, args, state, control, **kw):
         if self._simulation is not None:

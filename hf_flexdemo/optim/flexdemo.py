@@ -252,6 +252,8 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         buckets = self._bucketed()
         topology = ReplicaTopology.single() if joined.local else self.topology
         if not sync_only:
+            if self._simulated is not None:  # before anything moves: a refused step changes nothing
+                self._simulated.check([slot.state.param for bucket in buckets for slot in bucket.slots])
             self.flush()  # overlap: the previous step's update lands before this step's local maths
             self._count_step(buckets)
         # Steps still to replay count: the step number picks random's entries and replicate_every's exchanges,
@@ -282,9 +284,8 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
     ) -> tuple[SimulatedTopology, dict | None]:
         """``simulate_replicas``: replicas 1 to R-1 each take their gradient into their own state and post their
         payload to the local collective. Returns replica 0's topology and gradients, for the node's own path."""
-        params = [slot.state.param for bucket in stepping for slot in bucket.slots]
         topologies = SimulatedTopology.replicas(self.config.simulate_replicas)
-        sources = [None] * len(topologies) if sync_only else self._simulated.for_step(params)
+        sources = [None] * len(topologies) if sync_only else self._simulated.for_step()
         for topology, grads in zip(topologies[1:], sources[1:]):
             ctx = self._context(step, sync_only, topology)
             replica = [bucket.for_replica(topology.rank) for bucket in stepping]
@@ -300,6 +301,12 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
                 "FlexDeMo.next_replica() belongs to simulate_replicas=R (R > 1), which this optimizer does not set."
             )
         self._simulated.take([p for group in self.param_groups for p in group["params"] if p.requires_grad])
+
+    @property
+    def replica_gradients(self) -> list[dict[torch.Tensor, torch.Tensor | None]]:
+        """``simulate_replicas``: the gradients :meth:`next_replica` took this step, one dict per replica (by
+        parameter), for a caller that scales or clips them before :meth:`step` (the Trainer's callback does)."""
+        return self._simulated.banked if self._simulated is not None else []
 
     def _count_step(self, buckets: list[Bucket]) -> None:
         """A training step begins: every bucket's step count moves on."""
@@ -423,6 +430,9 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
             described = self.describe_replica() | {"groups": group_settings(self.param_groups)}
             check_replicas_agree(described, self.topology)  # also on a resumed run's first step
             self._settings_compared = True
+        if self._simulated is not None:  # also on a resumed run, which skips _start
+            params = [slot.state.param for slot in all_slots]
+            check_simulation_layout(params, self.topology, self.config.simulate_replicas)
         if "step" not in all_slots[0].state:
             self._start([slot.state.param for slot in all_slots])
         buckets = build_buckets(slots_by_group, self.bucket_entries, self.config.simulate_replicas)
@@ -443,8 +453,6 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
     def _start(self, params: list[torch.Tensor]) -> None:
         """First step: check the layout and that every replica starts from the same parameters."""
         check_layout(params, self._topology or self.topology)
-        if self._simulated is not None:
-            check_simulation_layout(params, self.topology, self.config.simulate_replicas)
         if self._managed is None:  # under torchft the first quorum copies the first node's state to the others
             start_from_first_replica(params, self.topology)
 
@@ -491,6 +499,8 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         check_saved_rules(state_dict["param_groups"], self.param_groups)
         check_saved_elementwise_rule(state_dict, self.param_groups, self.rules["orthogonal"].elementwise.name)
         self._pending = None  # an exchange started before loading refers to the replaced state
+        if self._simulated is not None:
+            self._simulated.clear()  # gradients taken before the load belong to the replaced run
         self._uncounted.clear()  # so do bytes not yet added to it
         self._book.stale = True
         super().load_state_dict(state_dict)
