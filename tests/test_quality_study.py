@@ -185,6 +185,7 @@ def test_a_study_cut_short_by_its_time_budget_resumes_where_it_stopped(tmp_path,
     )
     assert not quality_study.study(args)  # runs started at 0, 100 and 200 s; none after 250 s
     assert calls == [("adamw_hsdp", 1e-3, 0), ("adamw_hsdp", 2e-3, 0), ("adamw_hsdp", 4e-3, 0)]
+    args.time_budget = 1000
     assert quality_study.study(args)  # resumed: nothing twice, every sweep before any further seed
     assert calls[3:] == [
         ("demo_ortho_adam", 2e-3, 0), ("demo_ortho_adam", 4e-3, 0), ("adamw_hsdp", 1e-3, 1), ("demo_ortho_adam", 2e-3, 1)
