@@ -574,6 +574,9 @@ def report(out: Path) -> None:
         for name, row in rows.items():
             reach = time_to_baseline(row, rows["adamw_hsdp"]) if "adamw_hsdp" in rows and not simulated else None
             swept = ", ".join(f"{lr:g}" for lr in row["swept"])
+            planned = SWEEPS.get(model, {}).get(name, ())
+            if set(planned) - set(row["swept"]):  # a study cut short: the rate is the best of those run so far
+                swept += "; sweep incomplete"
             scores = "".join(f" {row[s][0]:.2f} +- {row[s][1]:.2f} |" for s in ("bleu", "chrf")) if scored else ""
             lines.append(
                 f"| {name} | {row['lr']:g} ({swept}) | {row['seeds']} "
