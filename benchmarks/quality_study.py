@@ -190,9 +190,10 @@ SWEEPS = {
     # At scale: each side's small-scale best and the next rate in the direction larger models move (down), the
     # compressed presets from their small-scale best (twice the default's) down.
     # (The other configurations take OLMo2's sweeps there; see below.)
-    "olmo2_10x": {
-        "adamw_hsdp": (1e-3, 2e-3, 4e-3), "demo_ortho_adam": (2e-3, 4e-3),  # AdamW's best sat at 2e-3, the bottom
-        "wire_2bit_ortho_adam": (4e-3, 8e-3), "wire_top128_4bit_ortho_adam": (4e-3, 8e-3),
+    "olmo2_10x": {  # AdamW-HSDP's and the default's best sat at the bottom of 2e-3..4e-3, so both go to 1e-3;
+        # the compressed presets, twice the default's rate at 1.6M, bracket the default's best at 10x and twice it
+        "adamw_hsdp": (1e-3, 2e-3, 4e-3), "demo_ortho_adam": (1e-3, 2e-3, 4e-3),
+        "wire_2bit_ortho_adam": (2e-3, 4e-3), "wire_top128_4bit_ortho_adam": (2e-3, 4e-3),
     },  # fmt: skip
     "olmo2_125m": {
         "adamw_hsdp": (5e-4, 1e-3, 2e-3), "demo_ortho_adam": (1e-3, 2e-3, 4e-3),
