@@ -181,7 +181,8 @@ def test_a_study_cut_short_by_its_time_budget_resumes_where_it_stopped(tmp_path,
     monkeypatch.setattr(quality_study.time, "time", lambda: clock[0])
     configs = ["adamw_hsdp", "demo_ortho_adam"]
     args = argparse.Namespace(
-        model="olmo2_10x", configs=configs, out=tmp_path, rates={}, steps=10, batch=0, seeds=[0, 1], time_budget=250
+        model="olmo2_10x", configs=configs, out=tmp_path, steps=10, batch=0, seeds=[0, 1], time_budget=250,
+        rates={"adamw_hsdp": (1e-3, 2e-3, 4e-3), "demo_ortho_adam": (2e-3, 4e-3)},
     )
     assert not quality_study.study(args)  # runs started at 0, 100 and 200 s; none after 250 s
     assert calls == [("adamw_hsdp", 1e-3, 0), ("adamw_hsdp", 2e-3, 0), ("adamw_hsdp", 4e-3, 0)]
