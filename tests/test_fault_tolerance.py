@@ -43,10 +43,10 @@ LATE_NODE_WAIT = ("--slow_step_s", "3")
 """With --slow_while: the others' steps take 3 s while a late node starts, 100 s and more for it to start in."""
 
 
-def ft_args(extra: str = "", timeout: float = FT_TIMEOUT_S, quorum_timeout: float = 60) -> list[str]:
+def ft_args(extra: str = "", timeout: float = FT_TIMEOUT_S, quorum_timeout: float = 60, topk: int = 8) -> list[str]:
     return [
         "--optim_args",
-        f"topk=8,chunk=16,fault_tolerance=torchft,ft_timeout={timeout},quorum_timeout={quorum_timeout}{extra}",
+        f"topk={topk},chunk=16,fault_tolerance=torchft,ft_timeout={timeout},quorum_timeout={quorum_timeout}{extra}",
     ]
 
 
@@ -553,7 +553,7 @@ def test_a_node_with_other_settings_is_refused_when_it_meets_the_others(lighthou
         2, lighthouse, tmp_path, *flags, processes=1, extra={0: ("--slow_while", str(slow), *LATE_NODE_WAIT)}
     )
     nodes[0].command += ft_args()
-    nodes[1].command += ft_args(",topk=4")  # the later key wins: topk=4 on node 1
+    nodes[1].command += ft_args(topk=4)
     slow.touch()
     nodes[0].start()
     wait_until(lambda: nodes[0].step() >= 2, 120, "node0 to train", running=nodes[:1])
