@@ -34,9 +34,12 @@ PER_STEP_SCHEMES = ("demo", "random", "striding", "full")
 REPLAYABLE_SCHEMES = ("demo", "random", "striding")
 """Schemes whose parameters move by the exchanged update alone, from a compressed payload: a lagging node can
 replay missed steps for less than a copy of the state (``full`` sends every entry: one step is already a copy)."""
-REPLAY_STEPS_DEFAULT = 4
+REPLAY_STEPS_DEFAULT = 32
+"""Under torchft: enough for a node the others keep waiting for to sit out a few seconds and come back by replay."""
 STALL_WAIT_DEFAULT = 5.0
 JOIN_QUORUM = ("before_forward", "when_ready")
+JOIN_QUORUM_DEFAULT = "when_ready"
+"""Under torchft: a slow node is left out of the steps it is late for instead of holding every quorum."""
 OUTER_STEP_SCHEMES = ("diloco", "sparseloco")
 """Schemes with DiLoCo's local inner AdamW steps and an outer step every ``inner_steps``."""
 TOPK_SCHEMES = ("demo", "sparseloco")
@@ -242,30 +245,31 @@ class FlexDeMoConfig:
         default=120.0,
         metadata={"help": "torchft: seconds to wait for min_replicas live nodes (or the Lighthouse) before stopping."},
     )
-    join_quorum: str = field(
-        default="before_forward",
+    join_quorum: str | None = field(
+        default=None,
         metadata={
-            "help": "torchft: when a node joins each step's quorum. 'before_forward': every node of the quorum waits "
-            "for the slowest one's forward and backward; 'when_ready': once its payload is ready, so a late node is "
-            "left out of the steps it is late for, catches up by replay, and its gradient joins the next step it is "
-            "in time for (at most replay_steps old)."
+            "help": "torchft: when a node joins each step's quorum. 'when_ready' (the default): once its payload is "
+            "ready, so a late node is left out of the steps it is late for, catches up by replay, and its gradient "
+            "joins the next step it is in time for (at most replay_steps old); 'before_forward': every node of the "
+            "quorum waits for the slowest one's forward and backward."
         },
     )
-    stall_wait: float = field(
-        default=STALL_WAIT_DEFAULT,
+    stall_wait: float | None = field(
+        default=None,
         metadata={
             "help": "torchft: after a stall of its processes (0.5 s or more in which they did not run: stopped, a "
             "paused VM, a swapping machine), a node asks for its next quorum only once it has run this many seconds "
-            "without one, so that the others do not wait for it inside a round; it then catches up. With "
+            "(default 5) without one, so that the others do not wait for it inside a round; it then catches up. With "
             "join_quorum='when_ready', a node the others spent more than 15% of their time waiting for sits out too, "
             "for most of what replay_steps lets it catch up by replay (30 s at most). 0: a node never sits out."
         },
     )
-    replay_steps: int = field(
-        default=REPLAY_STEPS_DEFAULT,
+    replay_steps: int | None = field(
+        default=None,
         metadata={
-            "help": "torchft: each node keeps the last N committed steps' exchanged payloads, so that a node that "
-            "missed up to N commits catches up by replaying them instead of copying the whole state (0: always copy)."
+            "help": "torchft: each node keeps the last N committed steps' exchanged payloads (default 32), so that a "
+            "node that missed up to N commits catches up by replaying them instead of copying the whole state "
+            "(0: always copy)."
         },
     )
 
@@ -322,32 +326,7 @@ class FlexDeMoConfig:
         _check_int("min_replicas", self.min_replicas, low=1)
         _check_float("ft_timeout", self.ft_timeout, low=0.0, low_open=True)
         _check_float("quorum_timeout", self.quorum_timeout, low=0.0, low_open=True)
-        _check_float("stall_wait", self.stall_wait, low=0.0)
-        _check_int("replay_steps", self.replay_steps, low=0)
-        _check_choice("join_quorum", self.join_quorum, JOIN_QUORUM)
-        if self.join_quorum != "before_forward" and not self.fault_tolerant:
-            raise ValueError(
-                f"FlexDeMo: join_quorum={self.join_quorum!r} applies to fault_tolerance='torchft' (when a node joins a "
-                "step's quorum), but fault_tolerance is 'off'; drop join_quorum, or set fault_tolerance=torchft."
-            )
-        if self.stall_wait != STALL_WAIT_DEFAULT and not self.fault_tolerant:
-            raise ValueError(
-                f"FlexDeMo: stall_wait={self.stall_wait:g} applies to fault_tolerance='torchft' (when a node that "
-                "stalled asks for its next quorum), but fault_tolerance is 'off'; drop stall_wait, or set "
-                "fault_tolerance=torchft."
-            )
-        if self.replay_steps != REPLAY_STEPS_DEFAULT and not self.fault_tolerant:
-            raise ValueError(
-                f"FlexDeMo: replay_steps={self.replay_steps} applies to fault_tolerance='torchft' (a lagging node's "
-                "catch-up), but fault_tolerance is 'off'; drop replay_steps, or set fault_tolerance=torchft."
-            )
-        if self.replay_steps not in (0, REPLAY_STEPS_DEFAULT) and self.scheme not in REPLAYABLE_SCHEMES:
-            raise ValueError(
-                f"FlexDeMo: replay_steps={self.replay_steps} cannot apply to scheme={self.scheme!r}: a lagging node "
-                "always copies the whole state (DiLoCo's and SparseLoCo's inner steps move each node's parameters by "
-                f"its own gradients; one step of full is already a copy). Drop replay_steps (it applies to "
-                f"{REPLAYABLE_SCHEMES})."
-            )
+        self._resolve_fault_tolerance()
         if self.overlap and self.fault_tolerant:
             raise ValueError(
                 "FlexDeMo: overlap=True cannot be combined with fault_tolerance='torchft': a step is committed only "
@@ -358,6 +337,43 @@ class FlexDeMoConfig:
         _check_int("inner_steps", self.inner_steps, low=1)
         _check_float("outer_lr", self.outer_lr, low=0.0)
         _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
+
+    def _resolve_fault_tolerance(self) -> None:
+        """``join_quorum`` and ``replay_steps`` given without torchft are refused whatever their value (``None`` is
+        "not given"); not given under torchft, they take the settings that keep a slow node from slowing the
+        others."""
+        if self.join_quorum is not None:
+            _check_choice("join_quorum", self.join_quorum, JOIN_QUORUM)
+        if self.replay_steps is not None:
+            _check_int("replay_steps", self.replay_steps, low=0)
+        if self.stall_wait is not None:
+            _check_float("stall_wait", self.stall_wait, low=0.0)
+        applies_to = {
+            "join_quorum": "when a node joins a step's quorum",
+            "replay_steps": "a lagging node's catch-up",
+            "stall_wait": "when a node that stalled asks for its next quorum",
+        }
+        for name, what in applies_to.items():
+            value = getattr(self, name)
+            if value is not None and not self.fault_tolerant:
+                shown = f"{value:g}" if isinstance(value, float) else repr(value)
+                raise ValueError(
+                    f"FlexDeMo: {name}={shown} applies to fault_tolerance='torchft' ({what}), but fault_tolerance "
+                    f"is 'off'; drop {name}, or set fault_tolerance=torchft."
+                )
+        if self.replay_steps and self.scheme not in REPLAYABLE_SCHEMES:
+            raise ValueError(
+                f"FlexDeMo: replay_steps={self.replay_steps} cannot apply to scheme={self.scheme!r}: a lagging node "
+                "always copies the whole state (DiLoCo's and SparseLoCo's inner steps move each node's parameters by "
+                f"its own gradients; one step of full is already a copy). Drop replay_steps (it applies to "
+                f"{REPLAYABLE_SCHEMES})."
+            )
+        if self.join_quorum is None:
+            self.join_quorum = JOIN_QUORUM_DEFAULT if self.fault_tolerant else "before_forward"
+        if self.replay_steps is None:
+            self.replay_steps = REPLAY_STEPS_DEFAULT if self.fault_tolerant else 0
+        if self.stall_wait is None:
+            self.stall_wait = STALL_WAIT_DEFAULT if self.fault_tolerant else 0.0
 
     def _check_simulation(self) -> None:
         _check_int("simulate_replicas", self.simulate_replicas, low=1)
@@ -541,7 +557,7 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
                 "mean."
             )
         given[key] = raw
-        values[key] = _parse_value(key, raw, known[key].default)
+        values[key] = _parse_value(key, raw, _typed_default(known[key]))
     preset = WIRE_PRESETS.get(values.get("wire"), {})
     for key, value in values.items():  # given in the text: refused even at its default, unlike FlexDeMo(...)'s
         if key in preset and value != preset[key]:
@@ -560,6 +576,17 @@ def _unknown_key_message(key: str, raw: str) -> str:
         f"FlexDeMo optim_args: unknown key {key!r}{hint}. The keys are {sorted(OWN_KEYS)}; lr, weight_decay, betas "
         "and eps come from --learning_rate, --weight_decay, --adam_beta1/2 and --adam_epsilon."
     )
+
+
+def _typed_default(spec: dataclasses.Field) -> Any:
+    """The field's default, or for one that defaults to ``None`` ("not given") a value of its annotated type."""
+    if spec.default is not None:
+        return spec.default
+    annotation = str(spec.type)
+    for kind in (bool, int, float):
+        if annotation.startswith(f"{kind.__name__} |"):
+            return kind()
+    return None
 
 
 def _parse_value(key: str, raw: str, default: Any) -> Any:

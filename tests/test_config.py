@@ -53,6 +53,11 @@ BAD = [
     (dict(fault_tolerance="torchft", stall_wait=-1.0), "stall_wait=-1.0", "[0.0, inf)"),
     (dict(stall_wait=2.0), "stall_wait=2", "fault_tolerance=torchft"),
     (dict(scheme="diloco", fault_tolerance="torchft", replay_steps=8), "replay_steps=8", "Drop replay_steps"),
+    # a setting given at its default is still given: refused where it does not apply
+    (dict(replay_steps=32), "replay_steps=32", "fault_tolerance=torchft"),
+    (dict(join_quorum="before_forward"), "join_quorum='before_forward'", "fault_tolerance=torchft"),
+    (dict(stall_wait=5.0), "stall_wait=5", "fault_tolerance=torchft"),
+    (dict(scheme="diloco", fault_tolerance="torchft", replay_steps=32), "replay_steps=32", "Drop replay_steps"),
 ]
 
 
@@ -132,6 +137,15 @@ def test_every_flexdemo_only_setting_is_refused_with_another_optimizer():
     assert set(OWN_KEYS) | set(SHARED_KEYS) == set(FlexDeMoConfig.field_names())
     assert {"decay", "sign", "seed", "topk", "shared_indices", "fault_tolerance"} <= set(OWN_KEYS)
     assert not set(OWN_KEYS) & set(SHARED_KEYS)
+
+
+def test_a_torchft_node_protects_the_others_from_a_slow_node_by_default():
+    torchft = FlexDeMoConfig(fault_tolerance="torchft")
+    assert (torchft.join_quorum, torchft.replay_steps, torchft.stall_wait) == ("when_ready", 32, 5.0)
+    chosen = FlexDeMoConfig.from_optim_args("fault_tolerance=torchft,join_quorum=before_forward,replay_steps=4")
+    assert (chosen.join_quorum, chosen.replay_steps) == ("before_forward", 4)
+    alone = FlexDeMoConfig()  # nothing to protect: no quorum, nothing kept for replay
+    assert (alone.join_quorum, alone.replay_steps, alone.stall_wait) == ("before_forward", 0, 0.0)
 
 
 def test_parse_empty_optim_args():

@@ -134,13 +134,13 @@ def test_a_node_the_others_keep_waiting_for_sits_out_and_says_so(monkeypatch, ca
 def test_a_node_sits_out_most_of_its_replay_horizon_at_the_others_pace(monkeypatch):
     from hf_flexdemo.fault_tolerance import sit_out as module
 
-    node = sit_out(monkeypatch)  # replay_steps=4 (the default)
+    node = sit_out(monkeypatch)  # replay_steps=32 (the default)
     monkeypatch.setattr(module, "DRAG_SIT_OUT_S", 30.0)
     for _ in range(module.DRAG_ROUNDS):
         node.note_round(0.4, 1.3)  # the others' step: 1.3 - 0.4 = 0.9 s
-    assert node.sit_out_seconds() == pytest.approx(0.75 * 4 * 0.9)
+    assert node.sit_out_seconds() == pytest.approx(0.75 * 32 * 0.9)
     node._paces.append(0.15)  # the job's steps seen at the Lighthouse: they commit one every 0.15 s
-    assert node.sit_out_seconds() == pytest.approx(0.75 * 4 * 0.15)
+    assert node.sit_out_seconds() == pytest.approx(0.75 * 32 * 0.15)
     node._config.replay_steps = 1000
     assert node.sit_out_seconds() == module.DRAG_SIT_OUT_S  # but never longer than that
     node._config.replay_steps = 0  # every catch-up is a copy anyway
