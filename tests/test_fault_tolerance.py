@@ -738,9 +738,12 @@ def _wide_params(seed: int = 0):
     return [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((64, 48), (48,), (8, 6, 6))]
 
 
-def lagging_pair(settings: dict, replay_steps: int = 4, missed: int = 3):
+def lagging_pair(settings: dict, replay_steps: int | None = None, missed: int = 3):
     """A peer that commits 2 + ``missed`` steps, and a node that committed the first 2 with it, then none."""
-    hp = dict(lr=0.05, weight_decay=0.1, topk=4, chunk=16, rate=1 / 64, fault_tolerance="torchft") | settings
+    # before_forward: the peer's and the node's synchronize() rounds commit (nodes that join when ready skip them;
+    # the slow-node tests cover replay there, node against node)
+    hp = dict(lr=0.05, weight_decay=0.1, topk=4, chunk=16, rate=1 / 64, fault_tolerance="torchft")
+    hp |= dict(join_quorum="before_forward") | settings
     peer_params, mine = _wide_params(), _wide_params()
     peer, node = FlexDeMo(peer_params, replay_steps=replay_steps, **hp), FlexDeMo(mine, **hp)
     peer.attach_managed(LaggingPeers(healing=[2]))

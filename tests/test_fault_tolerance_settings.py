@@ -306,3 +306,16 @@ def test_a_node_that_exits_with_an_exchange_pending_exits_cleanly(tmp_path):
         assert "terminate called" not in output
     assert "node0 exits with its exchange pending" in outputs[0]
     assert "node1 summed [2.0, 2.0, 2.0, 2.0]" in outputs[1]
+
+
+def test_a_process_is_one_node_and_a_second_config_for_it_is_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from hf_flexdemo.fault_tolerance import replicas
+
+    first = FlexDeMoConfig(fault_tolerance="torchft")
+    node = SimpleNamespace(config=first)
+    monkeypatch.setattr(replicas, "_NODE", node)
+    assert replicas.node_replicas(FlexDeMoConfig(fault_tolerance="torchft")) is node  # the same settings
+    with pytest.raises(ValueError, match=r"other settings: replay_steps=8 \(the node has 32\)"):
+        replicas.node_replicas(FlexDeMoConfig(fault_tolerance="torchft", replay_steps=8))

@@ -171,15 +171,16 @@ def replica_parts(plan: ChunkPlan, replicas: int, seed: int = 0) -> list[tuple[t
     return [select_topk(signal, plan) for signal in signals]
 
 
-def decode_both(plan, shape, parts, *, mode, sign, dtype):
+def decode_both(plan, shape, parts, *, mode, sign, dtype, decay=1.0):
+    """The start (after weight decay's factor ``decay``), the torch path's result, the kernel's, the update."""
     from hf_flexdemo.kernels.sign_decode import sign_decode
 
     start = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
     expected, got = list(start.clone().unbind(0)), list(start.clone().unbind(0))
-    sign_decode_torch(expected, parts, plan, mode=mode, lr=LR, sign=sign)
-    sign_decode(got, parts, plan, mode=mode, lr=LR, sign=sign)
+    sign_decode_torch(expected, parts, plan, mode=mode, lr=LR, sign=sign, decay=decay)
+    sign_decode(got, parts, plan, mode=mode, lr=LR, sign=sign, decay=decay)
     update = from_coefficients(decode_replicas(parts, plan, mode, torch.float32), plan).reshape(shape)
-    return start, torch.stack(expected), torch.stack(got), update
+    return start.mul_(decay), torch.stack(expected), torch.stack(got), update
 
 
 def assert_sign_steps_agree(start, expected, got, update) -> None:
@@ -200,7 +201,8 @@ def test_sign_decode_kernel_equals_torch(case, replicas):
     parts = replica_parts(plan, replicas, seed=replicas)
     mode = "mean" if case == "side1" else "selected"
     dtype = torch.bfloat16 if replicas == 2 else torch.float32
-    assert_sign_steps_agree(*decode_both(plan, shape, parts, mode=mode, sign=True, dtype=dtype))
+    decay = 1.0 if replicas == 1 else 1 - LR * 0.1  # weight decay folded into the kernel's pass
+    assert_sign_steps_agree(*decode_both(plan, shape, parts, mode=mode, sign=True, dtype=dtype, decay=decay))
 
 
 @needs_triton
@@ -225,7 +227,9 @@ def test_dense_decode_kernel_equals_torch(case, replicas):
 @pytest.mark.parametrize("mode", ["selected", "mean"])
 def test_sign_false_decode_kernel_applies_the_update_itself(dtype, mode):
     plan, shape = bucket_plan("7x7")
-    start, expected, got, update = decode_both(plan, shape, replica_parts(plan, 3), mode=mode, sign=False, dtype=dtype)
+    start, expected, got, update = decode_both(
+        plan, shape, replica_parts(plan, 3), mode=mode, sign=False, dtype=dtype, decay=0.99
+    )
     ulp = 2**-7 if dtype == torch.bfloat16 else 1e-6  # one unit of the parameter's last place, relative
     torch.testing.assert_close(got.float(), expected.float(), rtol=ulp, atol=1e-7)
     assert not torch.equal(got, start)
@@ -279,17 +283,18 @@ def rule_params(shapes, dtype, seed=0):
 @needs_triton
 @pytest.mark.parametrize("shapes", [RULE_SHAPES, BIG_SHAPES], ids=["small", "two_blocks"])
 @pytest.mark.parametrize(
-    "dtype, step_dtype, alpha",
+    "dtype, step_dtype, alpha, decay",
     [
-        (torch.float32, torch.float32, -0.37),
-        (torch.float32, torch.bfloat16, -0.37),
-        (torch.bfloat16, torch.bfloat16, -(2**-5)),  # a power of two: torch's CPU add rounds alpha to bf16
-        (torch.bfloat16, torch.float32, -(2**-5)),  # the step rounded to bf16 first, as the torch path
-        (torch.float16, torch.float32, -(2**-5)),
+        (torch.float32, torch.float32, -0.37, 1.0),
+        (torch.float32, torch.bfloat16, -0.37, 0.99),
+        (torch.bfloat16, torch.bfloat16, -(2**-5), 1.0),  # a power of two: torch's CPU add rounds alpha to bf16
+        (torch.bfloat16, torch.float32, -(2**-5), 0.999),  # the step rounded to bf16 first, as the torch path
+        (torch.float16, torch.float32, -(2**-5), 0.99),
     ],
 )
-def test_add_step_kernel_equals_torch(shapes, dtype, step_dtype, alpha):
-    """The orthogonal rule's subtraction: bitwise the torch path's, also from a transposed (tall) step."""
+def test_add_step_kernel_equals_torch(shapes, dtype, step_dtype, alpha, decay):
+    """The orthogonal rule's subtraction, with weight decay's factor: bitwise the torch path's, also from a
+    transposed (tall) step."""
     from hf_flexdemo.kernels.rule_step import add_step
     from hf_flexdemo.kernels.rule_step_torch import add_step_torch
 
@@ -297,8 +302,8 @@ def test_add_step_kernel_equals_torch(shapes, dtype, step_dtype, alpha):
     rows, cols = shapes[0]
     step = torch.randn(len(shapes), cols, rows, generator=torch.Generator().manual_seed(1)).mT  # Newton-Schulz's
     step = step.to(DEVICE, step_dtype)
-    add_step_torch(expected, step, alpha)
-    add_step(got, step, alpha)
+    add_step_torch(expected, step, alpha, decay)
+    add_step(got, step, alpha, decay)
     for e, o in zip(expected, got):
         assert torch.equal(o, e)
     assert not torch.equal(got[0], rule_params(shapes, dtype)[0])
@@ -323,8 +328,8 @@ def test_adam_step_kernel_equals_torch(shapes, dtype):
         counts += 1
         correction = (1 - torch.pow(settings["beta2"], counts)).to(torch.float32)
         update = (torch.randn(len(shapes), *shapes[0], generator=g) * 2**-6).to(DEVICE)
-        adam_step(got, update, v_got, correction, **settings)
-        adam_step_torch(expected, update.clone(), v_expected, correction, **settings)
+        adam_step(got, update, v_got, correction, **settings, decay=0.99)
+        adam_step_torch(expected, update.clone(), v_expected, correction, **settings, decay=0.99)
     torch.testing.assert_close(v_got, v_expected, rtol=1e-6, atol=0)
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
     for e, o in zip(expected, got):
@@ -461,14 +466,14 @@ for store in (False, True):  # storing, the table argument is the int32 indices 
     decode = dict(table_ptr="*i32" if store else "*i64", out_ptr="*fp32", index_ptr="*i32", value_ptr="*bf16",
                   left_ptr="*fp32", right_ptr="*fp32")
     compile(_sign_decode_kernel, decode, dict(n_tiles="i32", cols="i32", grid_cols="i32", tiles_per_param="i32",
-            neg_lr="fp32"), dict(REPLICAS=3, K=100, KB=64, TILE_ROWS=7, TILE_COLS=40, A=16, B=64, SELECTED=True,
-            SIGN=False, PARAM=1, STORE=store))
+            neg_lr="fp32", decay="fp32"), dict(REPLICAS=3, K=100, KB=64, TILE_ROWS=7, TILE_COLS=40, A=16, B=64,
+            SELECTED=True, SIGN=False, PARAM=1, STORE=store, DECAY=not store))
 from hf_flexdemo.kernels.rule_step import _rule_step_kernel
 
 for adam in (False, True):
     rule = dict(table_ptr="*i64", step_ptr="*bf16", v_ptr="*fp32", correction_ptr="*fp32")
     compile(_rule_step_kernel, rule, dict(numel="i32", blocks_per_param="i32", alpha="fp32", lr="fp32", beta2="fp32",
-            one_minus_beta2="fp32", eps="fp32"), dict(BLOCK=1024, ADAM=adam, PARAM=1))
+            one_minus_beta2="fp32", eps="fp32", decay="fp32"), dict(BLOCK=1024, ADAM=adam, PARAM=1, DECAY=True))
 print("compiled")
 """
 
@@ -496,11 +501,11 @@ plan = ChunkPlan.for_shape((7, 14), 7, 5).stacked(2)
 encoded = demo_encode(torch.randn(2, 7, 14), torch.randn(plan.rows, plan.cols), plan, decay=0.9, lr=0.5,
                       select=True, bits=1, wire_dtype=torch.float32)
 parts = [(encoded.indices, encoded.values), select_topk(torch.randn(plan.rows, plan.cols), plan)]
-sign_decode([torch.zeros(7, 14), torch.zeros(7, 14)], parts, plan, mode="selected", lr=0.1, sign=True)
+sign_decode([torch.zeros(7, 14), torch.zeros(7, 14)], parts, plan, mode="selected", lr=0.1, sign=True, decay=0.9)
 from hf_flexdemo.kernels.rule_step import adam_step, add_step
 params = [torch.zeros(7, 14), torch.zeros(7, 14)]
-add_step(params, torch.ones(2, 7, 14), -0.5)
-adam_step(params, torch.ones(2, 7, 14), torch.zeros(2, 7, 14), torch.ones(2), lr=0.1, beta2=0.9, eps=1e-8)
+add_step(params, torch.ones(2, 7, 14), -0.5, decay=0.9)
+adam_step(params, torch.ones(2, 7, 14), torch.zeros(2, 7, 14), torch.ones(2), lr=0.1, beta2=0.9, eps=1e-8, decay=0.9)
 print("ran")
 """
 

@@ -38,6 +38,14 @@ def test_the_symbols_we_wrap_exist(module, name):
     assert hasattr(importlib.import_module(module), name), f"{module}.{name} moved ({transformers.__version__})"
 
 
+def test_the_interpreter_exit_steps_a_distributed_worker_runs_itself_exist():
+    """training_scripts/script_utils.py's exit_worker(): what Python's exit does before its teardown."""
+    import atexit
+    import threading
+
+    assert callable(getattr(threading, "_shutdown", None)) and callable(getattr(atexit, "_run_exitfuncs", None))
+
+
 def test_the_cpu_bf16_probes_behind_ns_dtype_auto_exist():
     """ns_dtype='auto' asks torch whether the CPU has AVX-512 BF16 or AMX (private functions). Without them the
     rule takes float32 on every CPU: correct, but slower where bf16 is fast, so a release that moves them fails

@@ -14,12 +14,14 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import importlib.metadata
 import logging
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -179,12 +181,40 @@ def train_and_report(trainer: Trainer, headline: Sequence[str], derived=None) ->
     return metrics
 
 
+_LEFT_THE_JOB = False
+
+
 def finish_distributed(trainer: Trainer) -> None:
-    """Leave together: a process that exits while a peer's gloo connections are still up can
-    make that peer abort at exit ("terminate called without an active exception")."""
+    """Leave the job's process groups together: a barrier, then ``destroy_process_group()``."""
+    global _LEFT_THE_JOB
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         trainer.accelerator.wait_for_everyone()
         torch.distributed.destroy_process_group()
+        _LEFT_THE_JOB = True
+
+
+def exit_worker() -> None:
+    """End a process of a distributed job that trained to the end: its exit handlers run (wandb, torchft,
+    logging), then it exits without Python's teardown. A no-op in a process that was never one of several.
+
+    torch's gloo groups outlive ``destroy_process_group()``: the device mesh and FSDP's state still hold
+    them, and a gloo group has no ``shutdown()`` that stops its threads. A gloo worker thread that drops the
+    last reference to a finished collective frees its tensors, which takes the GIL; if the interpreter's
+    teardown has begun by then, Python ends the thread inside a ``noexcept`` destructor and the process
+    aborts ("terminate called without an active exception", pytorch/pytorch#190489). A loaded machine
+    widens the window. Without the teardown there is none.
+    """
+    # What the interpreter's exit does before its teardown, in its order: join the threads that are not
+    # daemons (threading's own exit hooks first), then the exit handlers. CPython's; tests/test_library_symbols.py
+    join_threads = getattr(threading, "_shutdown", None)
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if not _LEFT_THE_JOB or join_threads is None or run_exit_handlers is None:
+        return
+    join_threads()
+    run_exit_handlers()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- saving, card, push --------------------------------------------------------------------

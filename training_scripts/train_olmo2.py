@@ -47,6 +47,7 @@ from script_utils import (
     ScriptArguments,
     ScriptTrainerMixin,
     card_info,
+    exit_worker,
     hub_errors,
     hub_model,
     limit_samples,
@@ -241,3 +242,4 @@ def train_blocks(args: Olmo2Arguments, training_args: TrainingArguments, model, 
 
 if __name__ == "__main__":
     main()
+    exit_worker()  # after a distributed job: no teardown for gloo's threads to abort in

@@ -31,6 +31,7 @@ from script_utils import (
     ScriptArguments,
     ScriptTrainerMixin,
     card_info,
+    exit_worker,
     hub_errors,
     hub_model,
     limit_samples,
@@ -183,3 +184,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_worker()  # after a distributed job: no teardown for gloo's threads to abort in

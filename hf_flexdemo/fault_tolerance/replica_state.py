@@ -181,10 +181,11 @@ class ReplicaState:
             moved.group.update(group)
             moved.carried = map_tensors(carried, lambda t: t.to(device))
             stepping.append(moved)
-        if step.trained:
+        if step.ctx is not None:  # weight decay in the rules' pass, as the peers applied it
+            parts = map_tensors(step.parts, lambda t: t.to(device))
+            self._decode_and_apply(stepping, parts, step.ctx, decay=step.trained)
+        elif step.trained:
             self._decay(stepping)
-        if step.ctx is not None:
-            self._decode_and_apply(stepping, map_tensors(step.parts, lambda t: t.to(device)), step.ctx)
 
     def _describe_layout(self) -> dict[str, Any]:
         """Settings and shapes every node must share, compared when a node first meets the others. Group

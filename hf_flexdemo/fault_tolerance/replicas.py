@@ -9,6 +9,7 @@ collectives (:mod:`.collectives`).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import time
 import weakref
@@ -303,8 +304,16 @@ _NODE: ManagedReplicas | None = None
 
 
 def node_replicas(config: FlexDeMoConfig, device=None) -> ManagedReplicas:
-    """This process's one :class:`ManagedReplicas` (a process belongs to one quorum), built on first use."""
+    """This process's one :class:`ManagedReplicas` (a process belongs to one quorum), built on first use; a later
+    call with other settings is refused (the node would keep the first ones without a word)."""
     global _NODE
     if _NODE is None:
         _NODE = ManagedReplicas(config, device=device)
+    elif config != _NODE.config:
+        ours, theirs = dataclasses.asdict(_NODE.config), dataclasses.asdict(config)
+        differ = ", ".join(f"{k}={theirs[k]!r} (the node has {ours[k]!r})" for k in ours if ours[k] != theirs[k])
+        raise ValueError(
+            f"FlexDeMo: this process already belongs to a torchft node, started with other settings: {differ}. A "
+            "process is one node: give every optimizer of it the same settings."
+        )
     return _NODE

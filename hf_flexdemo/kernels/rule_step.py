@@ -3,12 +3,14 @@
 Each program takes ``BLOCK`` entries of one parameter (read through a table of the bucket's parameters'
 addresses, so they need not be one tensor, in their own dtype) and of the step, and in registers::
 
+    p  = decay * p                                              weight decay (decay = 1 - lr * weight_decay)
     add_step:   p += alpha * step                               the orthogonal rule: alpha = -lr * its scale
     adam_step:  g = u / lr;  v = beta2 * v + (1 - beta2) * g**2;  p -= lr * g / (sqrt(v / correction) + eps)
 
 so the parameter is read and written once, the step read once (in its own dtype: Newton-Schulz's bf16 result
 is not converted first), and adam's second moment read and written once, where the torch path runs eight
-passes. The step is rounded to the parameter's dtype before it is added, as the torch path's ``.to(dtype)``;
+passes (nine with weight decay). The decayed parameter is rounded to its dtype before the step is added, as the
+torch path's separate ``_foreach_mul_``. The step is rounded to the parameter's dtype before it is added, as the torch path's ``.to(dtype)``;
 divisions and the square root round as IEEE (``div_rn``, ``sqrt_rn``), as torch's. The sum ``p + alpha * step``
 is computed in float32 and rounded once, as torch's CUDA ``_foreach_add_``; its CPU kernel rounds ``alpha`` to the
 dtype of 16-bit parameters first (see :mod:`.sign_decode_torch`).
@@ -41,9 +43,11 @@ def _rule_step_kernel(
     beta2,
     one_minus_beta2,
     eps,
+    decay,
     BLOCK: tl.constexpr,
     ADAM: tl.constexpr,
     PARAM: tl.constexpr,
+    DECAY: tl.constexpr,
 ):
     program = tl.program_id(0)
     param = program // blocks_per_param
@@ -66,11 +70,14 @@ def _rule_step_kernel(
         where = address.to(tl.pointer_type(tl.float16)) + offsets
     else:
         where = address.to(tl.pointer_type(tl.float32)) + offsets
-    moved = tl.fma(step, alpha, tl.load(where, mask=inside, other=0.0).to(tl.float32))  # as torch's add: one rounding
+    old = tl.load(where, mask=inside, other=0.0).to(tl.float32)
+    if DECAY:
+        old = round_to_dtype(old * decay, PARAM)  # as torch's _foreach_mul_: rounded to the dtype
+    moved = tl.fma(step, alpha, old)  # as torch's add: one rounding
     tl.store(where, round_to_dtype(moved, PARAM).to(where.dtype.element_ty), mask=inside)
 
 
-def _launch(params, step, v, correction, alpha, lr, beta2, eps) -> None:
+def _launch(params, step, v, correction, alpha, lr, beta2, eps, decay) -> None:
     numel = params[0].numel()
     if numel == 0:
         return
@@ -88,22 +95,24 @@ def _launch(params, step, v, correction, alpha, lr, beta2, eps) -> None:
         beta2,
         1 - beta2,
         eps,
+        decay,
         BLOCK=BLOCK,
         ADAM=adam,
         PARAM=dtype_code(params[0].dtype),
+        DECAY=decay != 1.0,
         num_warps=4,
         enable_fp_fusion=False,  # each product and sum rounded as written, as the torch path's separate operations
     )
 
 
 @torch.library.custom_op("hf_flexdemo::add_step", mutates_args=("params",))
-def add_step_op(params: list[torch.Tensor], step: torch.Tensor, alpha: float) -> None:
+def add_step_op(params: list[torch.Tensor], step: torch.Tensor, alpha: float, decay: float) -> None:
     """The kernel as one torch operation: ``step`` holds ``params``' entries in order (contiguous)."""
-    _launch(params, step, None, None, alpha, 1.0, 0.0, 0.0)
+    _launch(params, step, None, None, alpha, 1.0, 0.0, 0.0, decay)
 
 
 @add_step_op.register_fake
-def _(params, step, alpha) -> None:
+def _(params, step, alpha, decay) -> None:
     return None
 
 
@@ -116,19 +125,20 @@ def adam_step_op(
     lr: float,
     beta2: float,
     eps: float,
+    decay: float,
 ) -> None:
     """The adam rule's step as one torch operation (``update``, ``second_moment``: ``params``' entries in order)."""
-    _launch(params, update, second_moment, correction, -lr, lr, beta2, eps)
+    _launch(params, update, second_moment, correction, -lr, lr, beta2, eps, decay)
 
 
 @adam_step_op.register_fake
-def _(params, update, second_moment, correction, lr, beta2, eps) -> None:
+def _(params, update, second_moment, correction, lr, beta2, eps, decay) -> None:
     return None
 
 
-def add_step(params: Sequence[torch.Tensor], step: torch.Tensor, alpha: float) -> None:
+def add_step(params: Sequence[torch.Tensor], step: torch.Tensor, alpha: float, decay: float = 1.0) -> None:
     """:func:`.rule_step_torch.add_step_torch`, fused (same arguments, the same step to float32 rounding)."""
-    add_step_op(list(params), step.contiguous(), float(alpha))
+    add_step_op(list(params), step.contiguous(), float(alpha), float(decay))
 
 
 def adam_step(
@@ -140,6 +150,7 @@ def adam_step(
     lr: float,
     beta2: float,
     eps: float,
+    decay: float = 1.0,
 ) -> None:
     """:func:`.rule_step_torch.adam_step_torch`, fused (``update`` is left as it was)."""
     if second_moment.dtype != torch.float32:
@@ -154,4 +165,5 @@ def adam_step(
         float(lr),
         float(beta2),
         float(eps),
+        float(decay),
     )

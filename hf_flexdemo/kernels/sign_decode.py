@@ -7,6 +7,7 @@ rows ``r_e``, columns ``c_e`` (``index = r * tile_cols + c``), values ``v_e``, a
 position ``(r_e, c_e)`` (``decode='selected'``; ``decode='mean'``: ``n_e = replicas``)::
 
     U  = L^T[:, r] @ diag(v / n) @ R[c, :]      (tile_rows x K) @ (K x tile_cols), K in blocks of at most 64
+    p  = decay * p                               weight decay, rounded to the parameter's dtype as torch's mul
     p  = p - lr * sign(U)                        sign=False: lr * U rounded to the parameter's dtype, as torch
 
 so no dense coefficient matrix is built, and the parameter is read and written once, in place (each parameter
@@ -45,6 +46,7 @@ def _sign_decode_kernel(
     grid_cols,
     tiles_per_param,
     neg_lr,
+    decay,
     REPLICAS: tl.constexpr,
     K: tl.constexpr,
     KB: tl.constexpr,
@@ -56,6 +58,7 @@ def _sign_decode_kernel(
     SIGN: tl.constexpr,
     PARAM: tl.constexpr,
     STORE: tl.constexpr,
+    DECAY: tl.constexpr,
 ):
     tile = tl.program_id(0)
     rows_a = tl.arange(0, A)
@@ -106,7 +109,10 @@ def _sign_decode_kernel(
             where = address.to(tl.pointer_type(tl.float16)) + base + i * cols + j
         else:
             where = address.to(tl.pointer_type(tl.float32)) + base + i * cols + j
-        moved = tl.load(where, mask=inside, other=0.0).to(tl.float32) + neg_lr * step
+        old = tl.load(where, mask=inside, other=0.0).to(tl.float32)
+        if DECAY:
+            old = round_to_dtype(old * decay, PARAM)
+        moved = old + neg_lr * step
         tl.store(where, round_to_dtype(moved, PARAM).to(where.dtype.element_ty), mask=inside)
 
 
@@ -123,15 +129,16 @@ def sign_decode_op(
     selected: bool,
     lr: float,
     sign: bool,
+    decay: float,
 ) -> None:
     """The kernel as one torch operation: ``indices`` and ``values`` are ``(replicas, n_tiles, k)``, ``params`` the
     bucket's contiguous parameters (each ``rows x cols`` of the plan, stacked by rows)."""
     table = address_table(tuple(p.data_ptr() for p in params), params[0].device)
-    _launch(table, None, indices, values, left, right, cols, tile_rows, tile_cols, selected, lr, sign, params)
+    _launch(table, None, indices, values, left, right, cols, tile_rows, tile_cols, selected, lr, sign, params, decay)
 
 
 @sign_decode_op.register_fake
-def _(params, indices, values, left, right, cols, tile_rows, tile_cols, selected, lr, sign) -> None:
+def _(params, indices, values, left, right, cols, tile_rows, tile_cols, selected, lr, sign, decay) -> None:
     return None
 
 
@@ -149,7 +156,7 @@ def demo_decode_op(
 ) -> torch.Tensor:
     """The same kernel storing the decoded update ``U`` (float32, ``rows x cols``) instead of applying it."""
     out = torch.empty(rows, cols, dtype=torch.float32, device=values.device)
-    _launch(indices, out, indices, values, left, right, cols, tile_rows, tile_cols, selected, 0.0, True, [out])
+    _launch(indices, out, indices, values, left, right, cols, tile_rows, tile_cols, selected, 0.0, True, [out], 1.0)
     return out
 
 
@@ -158,7 +165,9 @@ def _(indices, values, left, right, rows, cols, tile_rows, tile_cols, selected) 
     return values.new_empty(rows, cols, dtype=torch.float32)
 
 
-def _launch(table, out, indices, values, left, right, cols, tile_rows, tile_cols, selected, lr, sign, params) -> None:
+def _launch(
+    table, out, indices, values, left, right, cols, tile_rows, tile_cols, selected, lr, sign, params, decay
+) -> None:
     """One program per tile: apply to ``params`` (their addresses in ``table``), or store into ``out`` (when given,
     as ``params``'s one tensor)."""
     replicas, n_tiles, k = indices.shape
@@ -174,6 +183,7 @@ def _launch(table, out, indices, values, left, right, cols, tile_rows, tile_cols
         cols // tile_cols,
         n_tiles // len(params),
         -lr,
+        decay,
         REPLICAS=replicas,
         K=k,
         KB=max(16, min(BLOCK, 1 << (k - 1).bit_length())),
@@ -185,6 +195,7 @@ def _launch(table, out, indices, values, left, right, cols, tile_rows, tile_cols
         SIGN=sign,
         PARAM=dtype_code(params[0].dtype),
         STORE=out is not None,
+        DECAY=decay != 1.0,
         num_warps=4,
         enable_fp_fusion=False,  # each product and sum rounded as written, as the torch path's separate operations
     )
@@ -198,6 +209,7 @@ def sign_decode(
     mode: str,
     lr: float,
     sign: bool,
+    decay: float = 1.0,
 ) -> None:
     """:func:`.sign_decode_torch.sign_decode_torch`, fused (same arguments, the same step to float32 rounding)."""
     if plan.n_tiles == 0:
@@ -211,6 +223,7 @@ def sign_decode(
         mode == "selected",
         float(lr),
         sign,
+        float(decay),
     )
 
 

@@ -6,6 +6,7 @@ The path ``kernels='torch'`` runs these same operations, spread over the scheme
 
     C  = decode(every replica's (indices, values))   dense coefficients; 'selected': / replicas that sent each
     U  = IDCT(C)                                     per tile
+    p *= decay                                       weight decay: decay = 1 - lr * weight_decay
     p -= lr * sign(U)                                (sign=False: lr * U in the parameter's dtype)
 
 The last line is computed in float32 and rounded once to the parameter's dtype, as torch's CUDA ``_foreach_add_``
@@ -30,9 +31,12 @@ def sign_decode_torch(
     mode: str,
     lr: float,
     sign: bool,
+    decay: float = 1.0,
 ) -> None:
     """Move ``params`` (one bucket's, ``plan`` stacked over them) by the sign rule on the replicas' ``parts``."""
     update = demo_decode_torch(parts, plan, mode=mode)
+    if decay != 1.0:
+        torch._foreach_mul_(list(params), decay)
     step = (update.sign_() if sign else update).to(params[0].dtype).view(len(params), -1)
     for p, s in zip(params, step.unbind(0)):  # in float32, rounded once (torch's CPU add would round lr to bf16)
         p.copy_(p.float().add_(s.view_as(p).float(), alpha=-lr))

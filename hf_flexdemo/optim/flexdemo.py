@@ -268,15 +268,17 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
             topology, grads = self._run_other_replicas(stepping, step, sync_only)
             ctx = self._context(step, sync_only, topology)
             stepping = [bucket.for_replica(0) for bucket in stepping]
-        # Nothing reads the parameters between here and the rules, so under a quorum weight decay can wait
-        # for the commit, after any catch-up (DiLoCo's inner steps do read them: it decays now). Then nothing
-        # moves them before the vote, and undoing the step needs no copy of them.
-        decay_on_commit = joined.in_quorum and not sync_only and not self.scheme.moves_parameters_locally
-        undo = self._snapshot(stepping, not sync_only, with_params=not decay_on_commit) if joined.in_quorum else None
-        if not sync_only and not decay_on_commit:
+        # Nothing reads the parameters between here and the rules, so weight decay can wait for them: each rule
+        # folds it into its pass over the parameters, and under a quorum it comes after the commit and any
+        # catch-up, so undoing the step needs no copy of them. It cannot wait where DiLoCo's inner steps read
+        # the parameters, nor with overlap (the rules run at the next step, after its forward).
+        overlapped = self.config.overlap and ctx.replicate and not sync_only
+        decay_in_rules = not sync_only and not self.scheme.moves_parameters_locally and not overlapped
+        undo = self._snapshot(stepping, not sync_only, with_params=not decay_in_rules) if joined.in_quorum else None
+        if not sync_only and not decay_in_rules:
             self._decay(stepping)
         payloads, grad_bytes = self._local_steps(stepping, ctx, sync_only, joined.drop_gradient, grads)
-        self._exchange(stepping, payloads, grad_bytes, ctx, topology, undo, decay_on_commit, not sync_only)
+        self._exchange(stepping, payloads, grad_bytes, ctx, topology, undo, decay_in_rules, not sync_only)
         return ctx.replicate
 
     def _run_other_replicas(
@@ -323,7 +325,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         ctx: StepContext,
         topology: ReplicaTopology,
         undo: list | None,
-        decay_on_commit: bool,
+        decay_in_rules: bool,
         training: bool,
     ) -> None:
         """Send the payloads; apply what comes back now, or at the next step with ``overlap``."""
@@ -331,7 +333,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         in_flight = start_exchange(
             self.scheme.collective, stepping, payloads, grad_bytes, ctx, async_op=overlap, topology=topology
         )
-        in_flight.undo, in_flight.decay_on_commit, in_flight.training = undo, decay_on_commit, training
+        in_flight.undo, in_flight.decay_in_rules, in_flight.training = undo, decay_in_rules, training
         if overlap:
             self._pending = in_flight
         else:
@@ -367,9 +369,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         if job.undo is not None and not self._commit_round(job.undo):  # fault tolerance: the node votes
             return  # not committed: the step is undone
         parts = split_received(received, job, self.scheme.collective)
-        if job.decay_on_commit:
-            self._decay(job.buckets)
-        self._decode_and_apply(job.buckets, parts, job.ctx)
+        self._decode_and_apply(job.buckets, parts, job.ctx, decay=job.decay_in_rules)
         if job.undo is not None:
             self._replay.record(self._logged(job.buckets, parts, job.ctx, job.training))
         self._count(job, stats)
@@ -380,15 +380,19 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
             if wd:
                 torch._foreach_mul_(bucket.params, 1 - bucket.group["lr"] * wd)
 
-    def _decode_and_apply(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext) -> None:
-        """Decode each bucket's exchange and move its parameters by its rule."""
+    def _decode_and_apply(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext, decay: bool) -> None:
+        """Decode each bucket's exchange and move its parameters by its rule (``decay``: with weight decay)."""
         # Decoded updates are dense: the rules take them a few buckets at a time, so the step holds at most
         # about one bucket's worth beside the state, not the whole model's.
         batch, entries = [], 0
         for bucket, part in zip(buckets, parts):
             decoded = self.scheme.apply(bucket, part, ctx)
             if decoded is None:
+                if decay:  # nothing to apply: the parameters still decay
+                    self._decay([bucket])
                 continue
+            if decay:
+                decoded.decay = 1 - bucket.group["lr"] * bucket.group["weight_decay"]
             batch.append(decoded)
             entries += bucket.count * bucket.full_shape.numel()  # whole shapes: every process of a node agrees
             if entries >= self.bucket_entries:

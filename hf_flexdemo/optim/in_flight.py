@@ -33,8 +33,9 @@ class InFlight:
     """One parameter's gradient size per bucket (the dense baseline); the gradients themselves are released."""
     undo: list | None = None
     """Fault tolerance: what the step changed before its exchange, restored if the node does not commit."""
-    decay_on_commit: bool = False
-    """Fault tolerance: weight decay waits for the commit (a catch-up replays the missed steps first)."""
+    decay_in_rules: bool = False
+    """Weight decay waits for the rules, which fold it into their pass over the parameters (under a quorum: after
+    the commit and any catch-up)."""
     training: bool = True
     """A training step, not a ``synchronize()`` round."""
 

@@ -82,6 +82,9 @@ class Decoded:
     """Flat positions in the bucket that ``update`` holds (random, striding); None: all of them."""
     sparse: SparseCoefficients | None = None
     """``kernels='triton'`` (demo): the update as received, which the sign rule applies without making it dense."""
+    decay: float = 1.0
+    """Weight decay's factor ``1 - lr * weight_decay``, applied by the rule in its pass over the parameters (1: the
+    parameters were decayed before the exchange, or the step is no training step)."""
 
     @property
     def update(self) -> torch.Tensor:

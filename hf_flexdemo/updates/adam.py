@@ -45,7 +45,7 @@ class AdamRule(UpdateRule):
             bucket = item.bucket
             assert item.where is None, "update='adam' takes whole updates (random/striding are refused)"
             lr = bucket.group["lr"]
-            if lr == 0:  # nothing moves; g = u / lr is undefined
+            if lr == 0:  # nothing moves (weight decay neither); g = u / lr is undefined
                 continue
             beta2 = bucket.group["betas"][1]
             v = self.second_moment(bucket)
@@ -53,4 +53,4 @@ class AdamRule(UpdateRule):
             # Each parameter's own count (equal within a bucket unless a checkpoint says otherwise).
             correction = (1 - torch.pow(beta2, t)).to(v.dtype)
             step = adam_stepper(self.kernels_for(bucket))
-            step(bucket.params, item.update, v, correction, lr=lr, beta2=beta2, eps=bucket.group["eps"])
+            step(bucket.params, item.update, v, correction, lr=lr, beta2=beta2, eps=bucket.group["eps"], decay=item.decay)

@@ -33,13 +33,14 @@ class UpdateRule(ABC):
         """Move each ``decoded[i].bucket``'s parameters by its update (``ctx``: the step that exchanged it)."""
 
     def subtract(self, decoded: Decoded, step: torch.Tensor, scale: float = 1.0) -> None:
-        """``p -= lr * scale * step`` for the bucket's parameters, at ``decoded.where`` (every entry when None);
-        with ``kernels='triton'``, one fused pass (:mod:`hf_flexdemo.kernels.rule_step`)."""
+        """``p = decay * p - lr * scale * step`` for the bucket's parameters (``decoded.decay``), ``step`` at
+        ``decoded.where`` (every entry when None); with ``kernels='triton'``, one fused pass
+        (:mod:`hf_flexdemo.kernels.rule_step`)."""
         bucket = decoded.bucket
         if decoded.where is not None:  # a scattered subset (random, striding): zeros elsewhere
             dense = torch.zeros(bucket.count * bucket.numel, dtype=bucket.dtype, device=bucket.device)
             step = dense.index_add_(0, decoded.where, step.to(bucket.dtype))
-        step_adder(self.kernels_for(bucket))(bucket.params, step, -bucket.group["lr"] * scale)
+        step_adder(self.kernels_for(bucket))(bucket.params, step, -bucket.group["lr"] * scale, decoded.decay)
 
     def kernels_for(self, bucket: Bucket) -> str:
         """The setting ``kernels``, or ``'torch'`` where the kernels cannot reach the parameters (not contiguous)."""

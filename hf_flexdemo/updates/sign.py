@@ -21,7 +21,7 @@ class SignRule(UpdateRule):
             sparse = item.sparse
             if item.dense is None and self.kernels_for(item.bucket) == "triton":
                 params, lr, sign = item.bucket.params, group["lr"], group["sign"]
-                sign_decoder()(params, sparse.parts, sparse.plan, mode=sparse.mode, lr=lr, sign=sign)
+                sign_decoder()(params, sparse.parts, sparse.plan, mode=sparse.mode, lr=lr, sign=sign, decay=item.decay)
                 continue
             update = item.update
             self.subtract(item, update.sign_() if group["sign"] else update)
