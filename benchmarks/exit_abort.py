@@ -13,8 +13,8 @@ Two jobs, each run ``--runs`` times beside ``--burners`` CPU-bound processes:
   its pair's group; then a barrier, ``destroy_process_group()``, and the exit under test. The race,
   with nothing else around it.
 - ``t5``: the ready-made T5 script, 2 nodes x 2 processes (``accelerate_configs/cpu_2x2.yaml``), as
-  ``tests/test_crash_safety.py::test_load_best_model_at_end_...`` launches it (saves every 2 steps,
-  evaluations, the best model loaded at the end), 4 steps.
+  ``tests/test_crash_safety.py::test_load_best_model_at_end_...`` launches it (saves and evaluations
+  every 2 steps, the best model loaded at the end), 4 steps instead of 10.
 
 ``--exit teardown`` ends a probe process by returning from its script (Python's teardown);
 ``exit_worker`` as ``training_scripts/script_utils.py``'s ``exit_worker()`` does (the exit handlers,
@@ -64,10 +64,10 @@ if sys.argv[1] == "exit_worker":
 """
 
 T5_FLAGS = [
-    "--preset", "offline", "--max_steps", "4", "--per_device_train_batch_size", "2", "--max_train_samples", "64",
-    "--max_eval_samples", "8", "--load_best_model_at_end", "--eval_strategy", "steps", "--eval_steps", "2",
-    "--save_steps", "2", "--metric_for_best_model", "loss", "--predict_with_generate", "false",
-    "--report_to", "none",
+    "--preset", "offline", "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
+    "--max_eval_samples", "16", "--generation_max_length", "16", "--seed", "3", "--load_best_model_at_end",
+    "--eval_strategy", "steps", "--eval_steps", "2", "--metric_for_best_model", "loss", "--predict_with_generate",
+    "false", "--report_to", "none",
 ]  # fmt: skip
 
 
@@ -133,7 +133,7 @@ def main() -> None:
                     tqdm.write(f"run {run}: abort ({codes})\n{output[-2000:]}")
                 elif any(codes):
                     failed += 1
-                    tqdm.write(f"run {run}: failed ({codes})\n{output[-2000:]}")
+                    tqdm.write(f"run {run}: failed ({codes})\n{output[-6000:]}")
     finally:
         for burner in burners:
             burner.kill()

@@ -10,7 +10,7 @@ The path ``kernels='torch'`` runs these same operations, spread over the scheme
     p -= lr * sign(U)                                (sign=False: lr * U in the parameter's dtype)
 
 The last line is computed in float32 and rounded once to the parameter's dtype, as torch's CUDA ``_foreach_add_``
-does; its CPU kernel rounds ``lr`` to the dtype of 16-bit parameters first, so for those, and on the CPU only,
+does; its CPU kernels round ``lr`` and weight decay's factor to the dtype of 16-bit parameters first, so for those, and on the CPU only,
 the path ``kernels='torch'`` may land one unit of the last place away.
 """
 
