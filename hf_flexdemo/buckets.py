@@ -43,7 +43,7 @@ class ParamSlot:
 class Bucket:
     """Parameters of one group with the same layout and dtype: one step phase acts on all at once.
 
-    ``group``, ``grad`` and ``carried`` belong to one step (see :meth:`for_step`); the buffers
+    ``group``, ``grads`` and ``carried`` belong to one step (see :meth:`for_step`); the buffers
     belong to the bucket and persist across steps.
     """
 
@@ -53,8 +53,10 @@ class Bucket:
     group: dict[str, Any]
     """The live parameter group; in one step (:meth:`for_step`), a snapshot of it (with overlap, the
     hyperparameters of the step that computed the update)."""
-    grad: torch.Tensor | None = None
-    """This step's gradients, ``(count, *shape)`` (zeros where a parameter had none)."""
+    grads: list[torch.Tensor] | None = None
+    """This step's gradients, one per parameter (zeros where a parameter had none); :attr:`grad` stacks them."""
+    stacked_grad: torch.Tensor | None = field(default=None, repr=False)
+    """:attr:`grad` once made."""
     carried: Any = None
     """What the scheme's ``local_step`` hands to its ``apply`` (None: nothing was sent)."""
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -67,6 +69,17 @@ class Bucket:
     """In :meth:`for_replica`'s view: the simulated replica whose per-replica state ``buffers`` holds."""
     replica_keys: set[str] = field(default_factory=set)
     """Per-replica state keys (with simulated replicas: the buffers :meth:`for_replica` slices)."""
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """This step's gradients as one ``(count, *shape)`` tensor: a copy, made on first use (the fused encode
+        reads :attr:`grads` where they are)."""
+        if self.stacked_grad is None and self.grads is not None:
+            self.stacked_grad = torch.stack(self.grads)
+        return self.stacked_grad
+
+    def release_grads(self) -> None:
+        self.grads = self.stacked_grad = None
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -94,9 +107,9 @@ class Bucket:
         """The shape of the whole parameter (a DTensor's global shape; the local one otherwise)."""
         return self.slots[0].state.param.shape
 
-    def for_step(self, grad: torch.Tensor | None) -> Bucket:
-        """This bucket in one step: the step's hyperparameters and gradients, the bucket's buffers."""
-        return dataclasses.replace(self, group=dict(self.group), grad=grad, carried=None)
+    def for_step(self) -> Bucket:
+        """This bucket in one step: a copy of the hyperparameters, no gradients yet, the bucket's buffers."""
+        return dataclasses.replace(self, group=dict(self.group), grads=None, stacked_grad=None, carried=None)
 
     def for_replica(self, replica: int) -> Bucket:
         """This step's bucket as simulated replica ``replica`` sees it: its own slice of each per-replica entry, the
@@ -167,16 +180,18 @@ class Bucket:
     def copy_to_params(self, values: torch.Tensor) -> None:
         torch._foreach_copy_(self.params, self.unstacked(values.to(self.dtype)))
 
-    def stacked_grads(self, zero: bool, source: dict[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
-        """The gradients as one ``(count, *shape)`` tensor; a missing gradient (or every one, ``zero``) counts as
-        zeros. ``source``: a simulated replica's gradients by parameter, instead of ``.grad``."""
+    def gradients(
+        self, zero: bool, source: dict[torch.Tensor, torch.Tensor | None] | None = None
+    ) -> list[torch.Tensor]:
+        """The gradients, one per parameter (their local tensors); a missing gradient (or every one, ``zero``) counts
+        as zeros. ``source``: a simulated replica's gradients by parameter, instead of ``.grad``."""
         grads = []
         for slot in self.slots:
             grad = slot.state.param.grad if source is None else source.get(slot.state.param)
             if grad is not None and grad.is_sparse:
                 raise ValueError("FlexDeMo does not support sparse gradients.")
             grads.append(torch.zeros_like(slot.param) if grad is None or zero else local_tensor(grad))
-        return torch.stack(grads)
+        return grads
 
 
 MAX_BUCKET_ENTRIES = 2**27

@@ -70,8 +70,9 @@ def bucket_plan(case: str) -> tuple[ChunkPlan, tuple[int, ...]]:
     return ChunkPlan.for_shape(shape, chunk, topk).stacked(count), (count, *shape)
 
 
-def encode_both(case: str, fmt: str, grad_dtype=torch.float32, seed: int = 0):
-    """The torch function and the kernel on the same inputs: ``(torch result, kernel result, q torch, q kernel)``."""
+def encode_both(case: str, fmt: str, grad_dtype=torch.float32, seed: int = 0, unstacked: bool = False):
+    """The torch function and the kernel on the same inputs: ``(torch result, kernel result, q torch, q kernel)``.
+    ``unstacked``: the kernel reads each parameter's gradient from its own tensor, as the optimizer hands them."""
     from hf_flexdemo.kernels.demo_encode import demo_encode
 
     plan, shape = bucket_plan(case)
@@ -83,7 +84,7 @@ def encode_both(case: str, fmt: str, grad_dtype=torch.float32, seed: int = 0):
     q_torch, q_kernel = q.clone(), q.clone()
     settings = dict(decay=0.9, lr=0.5, select=True, bits=bits, wire_dtype=wire, noise=noise)
     expected = demo_encode_torch(grad, q_torch, plan, **settings)
-    got = demo_encode(grad, q_kernel, plan, **settings)
+    got = demo_encode([g.clone() for g in grad] if unstacked else grad, q_kernel, plan, **settings)
     return plan, expected, got, q_torch, q_kernel
 
 
@@ -125,6 +126,14 @@ def test_encode_kernel_equals_torch_on_every_tile_shape(case):
     assert_encode_agrees(plan, expected, got, q_torch, q_kernel)
     # Error feedback with float32 on the wire leaves nothing of what was sent.
     assert not q_kernel.reshape(-1)[flat_positions(got.indices, plan)].any()
+
+
+@needs_triton
+@pytest.mark.parametrize("case", ["7x7", "1d", "5x13"])
+def test_encode_kernel_reads_each_parameters_gradient_where_it_is(case):
+    """Gradients in separate tensors (through a table of their addresses): the same as from their stack."""
+    grad_dtype = torch.bfloat16 if case == "7x7" else torch.float32
+    assert_encode_agrees(*encode_both(case, "2bit", grad_dtype, seed=2, unstacked=True))
 
 
 @needs_triton
@@ -461,10 +470,11 @@ def compile(fn, pointers, scalars, constants):
     source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
 
-encode = dict(grad_ptr="*bf16", q_ptr="*fp32", left_ptr="*fp32", right_ptr="*fp32", noise_ptr="*fp32",
+encode = dict(grad_table_ptr="*i64", q_ptr="*fp32", left_ptr="*fp32", right_ptr="*fp32", noise_ptr="*fp32",
               index_ptr="*i32", value_ptr="*fp32", code_ptr="*u8", scale_ptr="*fp32")
-compile(_demo_encode_kernel, encode, dict(cols="i32", grid_cols="i32", decay="fp32", lr="fp32"),
-        dict(TILE_ROWS=13, TILE_COLS=40, A=16, B=64, K=32, SELECT=True, BITS=2, LEVELS=1, STOCHASTIC=True, WIRE=0))
+compile(_demo_encode_kernel, encode, dict(cols="i32", grid_cols="i32", tiles_per_grad="i32", decay="fp32", lr="fp32"),
+        dict(GRAD=1, TILE_ROWS=13, TILE_COLS=40, A=16, B=64, K=32, SELECT=True, BITS=2, LEVELS=1, STOCHASTIC=True,
+             WIRE=0))
 for store in (False, True):  # storing, the table argument is the int32 indices (demo_decode)
     decode = dict(table_ptr="*i32" if store else "*i64", out_ptr="*fp32", index_ptr="*i32", value_ptr="*bf16",
                   left_ptr="*fp32", right_ptr="*fp32")

@@ -177,7 +177,7 @@ class ReplicaState:
         for bucket, group, carried in zip(buckets, step.groups, step.carried):
             if step.trained:
                 bucket.scalars("step", torch.int64).add_(1)
-            moved = bucket.for_step(None)
+            moved = bucket.for_step()
             moved.group.update(group)
             moved.carried = map_tensors(carried, lambda t: t.to(device))
             stepping.append(moved)

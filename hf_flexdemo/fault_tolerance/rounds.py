@@ -105,7 +105,7 @@ class QuorumRounds(ClosingRounds, ReplicaState):
         """
         buckets = self._bucketed()
         self._count_step(buckets)
-        stepping = [bucket.for_step(None) for bucket in buckets]
+        stepping = [bucket.for_step() for bucket in buckets]
         undo = self._snapshot(stepping, undo_step=True, with_params=False)  # decay waits for the commit
         assumed = self._context(self._steps_taken() + self._steps_to_replay(), False, self.topology)
         payloads, grad_bytes = self._local_steps(stepping, assumed, False, drop_gradient=False)

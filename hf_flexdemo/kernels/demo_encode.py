@@ -1,7 +1,8 @@
 """DeMo's encode pass as one Triton program per tile: it must equal :func:`.demo_encode_torch.demo_encode_torch`.
 
-A program loads one tile of the stacked gradient (any float dtype, read as float32) and of the momentum
-coefficients ``Q`` (float32), and in registers::
+A program loads one tile of a parameter's gradient (16- or 32-bit, read as float32; each parameter's through a
+table of their addresses, so they are not stacked first) and of the momentum coefficients ``Q`` (float32, the
+bucket's stack), and in registers::
 
     Q  = decay * Q + lr * (L @ G @ R^T)      L, R: the tile's DCT-II matrices, zero-padded (exact on real entries)
     T  = the k-th largest |Q|                bisection on the bit pattern of |Q| (monotone for non-negative floats)
@@ -23,20 +24,21 @@ replica computes bitwise the same.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from ..compression import ChunkPlan
 from . import padded_dct
-from ._triton_common import dtype_code, largest, round_half_even, round_to_dtype, running_total, total
+from ._triton_common import address_table, dtype_code, largest, round_half_even, round_to_dtype, running_total, total
 from .demo_encode_torch import EncodedTiles
 
 
 @triton.jit
 def _demo_encode_kernel(
-    grad_ptr,
+    grad_table_ptr,
     q_ptr,
     left_ptr,
     right_ptr,
@@ -47,8 +49,10 @@ def _demo_encode_kernel(
     scale_ptr,
     cols,
     grid_cols,
+    tiles_per_grad,
     decay,
     lr,
+    GRAD: tl.constexpr,
     TILE_ROWS: tl.constexpr,
     TILE_COLS: tl.constexpr,
     A: tl.constexpr,
@@ -66,7 +70,16 @@ def _demo_encode_kernel(
     j = tl.arange(0, B)[None, :]
     inside = (i < TILE_ROWS) & (j < TILE_COLS)
     offsets = base + i * cols + j
-    g = tl.load(grad_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    local = tile % tiles_per_grad  # the tile within its gradient
+    grad_offsets = (local // grid_cols).to(tl.int64) * TILE_ROWS * cols + (local % grid_cols) * TILE_COLS + i * cols + j
+    address = tl.load(grad_table_ptr + tile // tiles_per_grad)
+    if GRAD == 1:
+        grad_ptr = address.to(tl.pointer_type(tl.bfloat16))
+    elif GRAD == 2:
+        grad_ptr = address.to(tl.pointer_type(tl.float16))
+    else:
+        grad_ptr = address.to(tl.pointer_type(tl.float32))
+    g = tl.load(grad_ptr + grad_offsets, mask=inside, other=0.0).to(tl.float32)
     q = tl.load(q_ptr + offsets, mask=inside, other=0.0)
     left = tl.load(left_ptr + i * A + tl.arange(0, A)[None, :])  # L[i, m]
     right_t = tl.load(right_ptr + j * B + tl.arange(0, B)[:, None])  # R^T[n, j] = R[j, n]
@@ -125,9 +138,9 @@ def _demo_encode_kernel(
     tl.store(q_ptr + flat_offsets, flat_q, mask=flat_inside)
 
 
-@triton_op("hf_flexdemo::demo_encode", mutates_args={"q"})
+@torch.library.custom_op("hf_flexdemo::demo_encode", mutates_args=("q",))
 def demo_encode_op(
-    grad: torch.Tensor,
+    grads: list[torch.Tensor],
     q: torch.Tensor,
     left: torch.Tensor,
     right: torch.Tensor,
@@ -141,8 +154,9 @@ def demo_encode_op(
     bits: int,
     wire: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel as one torch operation on ``(rows, cols)`` ``grad`` and ``q``: ``(indices, values, codes, scale)``,
-    each with no rows unless ``select`` (``codes`` and ``scale`` also unless ``bits``)."""
+    """The kernel as one torch operation on the ``(rows, cols)`` momentum ``q`` and ``grads``, the same rows one
+    after another in contiguous tensors of one dtype: ``(indices, values, codes, scale)``, each with no rows unless
+    ``select`` (``codes`` and ``scale`` also unless ``bits``)."""
     rows, cols = q.shape
     n_tiles = (rows // tile_rows) * (cols // tile_cols)
     picked = n_tiles if select else 0
@@ -152,8 +166,8 @@ def demo_encode_op(
     scale = torch.empty(picked if bits else 0, dtype=torch.float32, device=q.device)
     a, b = left.shape[0], right.shape[0]
     unused = q  # stands in for the pointers a constexpr branch never touches (an empty tensor may have none)
-    wrap_triton(_demo_encode_kernel)[(n_tiles,)](
-        grad,
+    _demo_encode_kernel[(n_tiles,)](
+        address_table(tuple(g.data_ptr() for g in grads), q.device),
         q,
         left,
         right,
@@ -164,8 +178,10 @@ def demo_encode_op(
         scale if select and bits else unused,
         cols,
         cols // tile_cols,
+        n_tiles // len(grads),
         decay,
         lr,
+        GRAD=dtype_code(grads[0].dtype),
         TILE_ROWS=tile_rows,
         TILE_COLS=tile_cols,
         A=a,
@@ -182,8 +198,19 @@ def demo_encode_op(
     return indices, values, codes, scale
 
 
+@demo_encode_op.register_fake
+def _(grads, q, left, right, noise, tile_rows, tile_cols, k, decay, lr, select, bits, wire):
+    picked = (q.shape[0] // tile_rows) * (q.shape[1] // tile_cols) if select else 0
+    return (
+        q.new_empty(picked, k, dtype=torch.int32),
+        q.new_empty(picked, k, dtype=torch.float32),
+        q.new_empty(picked if bits else 0, k, dtype=torch.uint8),
+        q.new_empty(picked if bits else 0, dtype=torch.float32),
+    )
+
+
 def demo_encode(
-    grad: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor],
     q: torch.Tensor,
     plan: ChunkPlan,
     *,
@@ -194,14 +221,17 @@ def demo_encode(
     wire_dtype: torch.dtype,
     noise: torch.Tensor | None = None,
 ) -> EncodedTiles | None:
-    """:func:`.demo_encode_torch.demo_encode_torch`, fused (same arguments, same results to float32 rounding)."""
+    """:func:`.demo_encode_torch.demo_encode_torch`, fused (same arguments, same results to float32 rounding).
+
+    ``grad``: the bucket's gradients stacked, or one tensor per parameter, read where they are (no stacked copy).
+    """
     if q.dtype != torch.float32:
         raise ValueError(f"FlexDeMo: kernels='triton' keeps the momentum in float32, not {q.dtype}.")
     q = q.view(plan.rows, plan.cols)
     if plan.n_tiles == 0:
         return None
     indices, values, codes, scale = demo_encode_op(
-        grad.reshape(plan.rows, plan.cols).contiguous(),
+        _readable(grad),
         q,
         padded_dct(plan.tile_rows, q.device),
         padded_dct(plan.tile_cols, q.device),
@@ -219,3 +249,10 @@ def demo_encode(
         return None
     return EncodedTiles(indices, values, codes if bits else None, scale if bits else None)
 
+
+def _readable(grad: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients as the kernel reads them: contiguous, of one 16- or 32-bit dtype (copies only where not)."""
+    if isinstance(grad, torch.Tensor):
+        return [grad.contiguous()]
+    dtype = grad[0].dtype if all(g.dtype == grad[0].dtype for g in grad) else torch.float32
+    return [g.to(dtype).contiguous() for g in grad]

@@ -11,6 +11,7 @@ Per bucket (its tensors stacked by rows, :meth:`hf_flexdemo.compression.ChunkPla
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -32,7 +33,7 @@ class EncodedTiles(NamedTuple):
 
 
 def demo_encode_torch(
-    grad: torch.Tensor,
+    grad: torch.Tensor | Sequence[torch.Tensor],
     q: torch.Tensor,
     plan: ChunkPlan,
     *,
@@ -44,7 +45,10 @@ def demo_encode_torch(
     noise: torch.Tensor | None = None,
 ) -> EncodedTiles | None:
     """Fold ``grad`` into the momentum coefficients ``q`` (``plan.rows x plan.cols``, in place); with ``select``,
-    pick, encode and subtract each tile's top-k. ``noise``: stochastic rounding's draws, ``(n_tiles, k)``."""
+    pick, encode and subtract each tile's top-k. ``noise``: stochastic rounding's draws, ``(n_tiles, k)``.
+    ``grad``: the bucket's gradients stacked, or one tensor per parameter (stacked here)."""
+    if not isinstance(grad, torch.Tensor):
+        grad = torch.stack(list(grad))
     q = q.view(plan.rows, plan.cols)
     if plan.n_tiles == 0:
         return None

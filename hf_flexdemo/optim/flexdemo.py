@@ -262,7 +262,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         if sync_only and not joined.in_quorum and not self._needs_sync():
             return False
         ctx = self._context(step, sync_only, topology)
-        stepping = [bucket.for_step(None) for bucket in buckets]
+        stepping = [bucket.for_step() for bucket in buckets]
         grads = None  # this process's .grad
         if self._simulated is not None:  # replica 0 runs last, through the same path as a node's step
             topology, grads = self._run_other_replicas(stepping, step, sync_only)
@@ -356,11 +356,11 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         """Each bucket's local maths (momentum, encode): its payload, and one gradient's size (the dense baseline).
         ``grads``: a simulated replica's gradients by parameter (None: ``.grad``)."""
         payloads, grad_bytes = [], []
-        for bucket in stepping:  # one bucket's stacked gradients at a time: they are folded into its state
-            bucket.grad = None if sync_only else bucket.stacked_grads(drop_gradient, grads)
+        for bucket in stepping:  # one bucket's gradients at a time: they are folded into its state
+            bucket.grads = None if sync_only else bucket.gradients(drop_gradient, grads)
             payloads.append(self.scheme.local_step(bucket, ctx))
-            grad_bytes.append(nbytes(bucket.grad) // bucket.count if bucket.grad is not None else 0)
-            bucket.grad = None
+            grad_bytes.append(nbytes(bucket.grads[0]) if bucket.grads is not None else 0)
+            bucket.release_grads()
         return payloads, grad_bytes
 
     def _finish(self, job: InFlight) -> None:

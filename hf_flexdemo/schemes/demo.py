@@ -95,7 +95,7 @@ class DeMoScheme(MomentumScheme):
         # error feedback: what travels (as the receivers will decode it) leaves Q, so the rounding error stays.
         wire_dtype = self.wire_dtype(bucket)
         encoded = encoder(self.config.kernels)(
-            bucket.grad,
+            bucket.grads if self.config.kernels == "triton" else bucket.grad,  # the kernel reads them unstacked
             self.momentum(bucket),
             plan,
             decay=bucket.group["decay"],
