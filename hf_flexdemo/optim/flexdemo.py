@@ -3,11 +3,11 @@
 Inside a node, FSDP2 shards the model and averages gradients; across nodes only what the
 replication scheme picks travels. Per parameter and step (``demo`` scheme)::
 
-    p  *= 1 - lr * weight_decay                      decoupled weight decay
     m   = decay * m + lr * grad                      local momentum, never all-reduced
     q   = top-k DCT coefficients of m (per tile)     the fast-moving components
     m  -= IDCT(q)                                    error feedback
     u   = IDCT(mean over replicas of q)              one packed all-gather per step
+    p  *= 1 - lr * weight_decay                      decoupled weight decay (in the rule's pass)
     p  -= lr * step(u)                               the group's update rule
 
 The replication step is pluggable (:mod:`hf_flexdemo.schemes`: ``demo``, ``random``,
