@@ -373,6 +373,9 @@ def test_a_node_killed_mid_exchange_leaves_no_half_exchanged_step(patient_lighth
     step before the one node 2 dies in, whichever of them started first.
     """
     extra = ",inner_steps=5" if scheme in ("diloco", "sparseloco") else ""
+    # Every node in every quorum once node 2 trains, so that it dies in a step all three joined (joining when
+    # ready, it may be left out of that step and die in a later round).
+    extra += ",join_quorum=before_forward"
     flags = [*TINY, "--max_steps", "40", "--step_delay", "0.05", *ft_args(f",scheme={scheme}{extra}")]
     slow = tmp_path / "slow_until_node2_died"  # the others still train when node 2 arrives
     slow_nodes = ("--slow_while", str(slow), *LATE_NODE_WAIT)
