@@ -317,5 +317,8 @@ def test_a_process_is_one_node_and_a_second_config_for_it_is_refused(monkeypatch
     node = SimpleNamespace(config=first)
     monkeypatch.setattr(replicas, "_NODE", node)
     assert replicas.node_replicas(FlexDeMoConfig(fault_tolerance="torchft")) is node  # the same settings
+    # the optimizer's own settings are not the node's: a Trainer's config and the launcher's may differ there
+    assert replicas.node_replicas(FlexDeMoConfig(fault_tolerance="torchft", weight_decay=0.1)) is node
+    assert set(replicas.NODE_SETTINGS) <= set(FlexDeMoConfig.field_names())
     with pytest.raises(ValueError, match=r"other settings: replay_steps=8 \(the node has 32\)"):
         replicas.node_replicas(FlexDeMoConfig(fault_tolerance="torchft", replay_steps=8))

@@ -303,15 +303,22 @@ def _shut_down_at_exit(replicas: weakref.ref[ManagedReplicas]) -> None:
 _NODE: ManagedReplicas | None = None
 
 
+NODE_SETTINGS = ("fault_tolerance", "min_replicas", "ft_timeout", "quorum_timeout", "join_quorum", "stall_wait",
+                 "replay_steps")
+"""The settings a node's quorum rounds read (the optimizer's others are each optimizer's own)."""
+
+
 def node_replicas(config: FlexDeMoConfig, device=None) -> ManagedReplicas:
     """This process's one :class:`ManagedReplicas` (a process belongs to one quorum), built on first use; a later
-    call with other settings is refused (the node would keep the first ones without a word)."""
+    call with other node settings (:data:`NODE_SETTINGS`) is refused (the node would keep the first ones without a
+    word)."""
     global _NODE
     if _NODE is None:
         _NODE = ManagedReplicas(config, device=device)
-    elif config != _NODE.config:
-        ours, theirs = dataclasses.asdict(_NODE.config), dataclasses.asdict(config)
-        differ = ", ".join(f"{k}={theirs[k]!r} (the node has {ours[k]!r})" for k in ours if ours[k] != theirs[k])
+        return _NODE
+    ours, theirs = dataclasses.asdict(_NODE.config), dataclasses.asdict(config)
+    differ = ", ".join(f"{k}={theirs[k]!r} (the node has {ours[k]!r})" for k in NODE_SETTINGS if ours[k] != theirs[k])
+    if differ:
         raise ValueError(
             f"FlexDeMo: this process already belongs to a torchft node, started with other settings: {differ}. A "
             "process is one node: give every optimizer of it the same settings."
