@@ -25,9 +25,10 @@ from hf_flexdemo.topology import ReplicaTopology, parameter_fingerprint
 pytest.importorskip("torchft", reason="torchft is part of the test install (setup.cfg [test])")
 
 TINY = (
-    "--per_device_train_batch_size 4 --learning_rate 1e-3 --logging_steps 5 --report_to none --seed 7 "
-    "--save_strategy no --optim flexdemo"
+    "--per_device_train_batch_size 4 --learning_rate 1e-3 --weight_decay 0.01 --logging_steps 5 --report_to none "
+    "--seed 7 --save_strategy no --optim flexdemo"
 ).split()
+"""Weight decay on: under a quorum it waits for the commit and any catch-up (the rules' pass applies it)."""
 ALL_SCHEMES = ("demo", "random", "striding", "full", "diloco", "sparseloco", "demo_shared")
 UPDATE_RULES = {
     "demo_ortho_adam": dict(update="orthogonal", elementwise_update="adam"),
