@@ -134,6 +134,8 @@ def main() -> None:
                 elif any(codes):
                     failed += 1
                     tqdm.write(f"run {run}: failed ({codes})\n{output[-6000:]}")
+                else:
+                    tqdm.write(f"run {run}: clean exit ({seconds[-1]:.1f} s)")
     finally:
         for burner in burners:
             burner.kill()
