@@ -144,7 +144,9 @@ def one_bucket(p: torch.nn.Parameter, opt: FlexDeMo) -> Bucket:
     """A bucket of ``p`` alone, as the optimizer's first step builds it, with ``p``'s gradient."""
     state = StateView(StateStore(ReplicaTopology.single()), p, p.detach(), {})
     slot = ParamSlot(p.detach(), state, opt.param_groups[0], 1)
-    return build_buckets([[slot]])[0].for_step(p.grad.unsqueeze(0))
+    bucket = build_buckets([[slot]])[0].for_step()
+    bucket.grads = [p.grad]
+    return bucket
 
 
 def test_demo_payload_is_uint16_indices_and_values_in_the_chosen_dtype():
