@@ -119,6 +119,18 @@ WIRE_PROBES = {
     # bytes of top 4 of 4,096 at 1 bit carry 2 to 4 times its coefficients
     **{f"demo_top{k}_chunk128_1bit_ef": f"topk={k},chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
        for k in (16, 20, 22, 24, 28, 32)},
+    # Issue 45: most coefficients at positions every replica derives from the decoded updates (no indices), a
+    # small top-k with indices beside them. About 1,000x: 64 x 64 tiles, 64 derived at 1 bit and the top 1
+    # (143 bits a tile); 128 x 128 tiles, 384 derived and the top 4 (508 bits) or 448 and the top 1 (527 bits).
+    "derived_c64_d64_top1_1bit": "derived_topk=64,topk=1,value_bits=1,pack_indices=true,index_coding=elias_fano",
+    "derived_c128_d384_top4_1bit": (
+        "derived_topk=384,topk=4,chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
+    ),
+    "derived_c128_d448_top1_1bit": (
+        "derived_topk=448,topk=1,chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
+    ),
+    # About wire=2bit's bytes (372 bits a tile against its 384): 256 derived at 1 bit and the top 4
+    "derived_c64_d256_top4_1bit": "derived_topk=256,topk=4,value_bits=1,pack_indices=true,index_coding=elias_fano",
 }
 """Issue 35: more of each tile's coefficients on the wire (DeMo sends 32 of 4,096): how the default rule's loss
 moves between DeMo's wire and the uncompressed one, and at equal bytes, more coefficients at fewer bits."""

@@ -199,6 +199,15 @@ class FlexDeMoConfig:
             "float64 for float64 parameters)."
         },
     )
+    derived_topk: int | None = field(
+        default=None,
+        metadata={
+            "help": "demo: also send each tile's coefficients at this many positions that every replica derives "
+            "alike (where the decoded updates have been largest lately), as values without indices, in value_bits "
+            "codes or value_dtype; topk then picks the per-replica top-k outside them, with indices. Unset: DeMo's "
+            "top-k alone."
+        },
+    )
     kernels: str = field(
         default="torch",
         metadata={
@@ -318,6 +327,8 @@ class FlexDeMoConfig:
         if self.shared_indices:
             self._check_shared_indices()
         self._check_index_coding()
+        if self.derived_topk is not None:
+            self._check_derived_topk()
         _check_choice("kernels", self.kernels, KERNELS)
         if self.kernels != "torch":
             check_kernel_settings(scheme=self.scheme, shared_indices=self.shared_indices, chunk=self.chunk)
@@ -451,6 +462,19 @@ class FlexDeMoConfig:
                 "pack_indices=False asks for 16-bit ones; set pack_indices=True as well (or pick a wire= preset)."
             )
 
+    def _check_derived_topk(self) -> None:
+        _check_int("derived_topk", self.derived_topk, low=1)
+        if self.scheme != "demo" or self.shared_indices or self.kernels != "torch":
+            where = (
+                f"scheme={self.scheme!r}" if self.scheme != "demo"
+                else "shared_indices=True" if self.shared_indices else f"kernels={self.kernels!r}"
+            )  # fmt: skip
+            raise ValueError(
+                f"FlexDeMo: derived_topk={self.derived_topk} applies to scheme='demo' without shared_indices, with "
+                f"kernels='torch' (the fused kernels pick DeMo's top-k alone), so with {where} it would be ignored; "
+                "drop derived_topk, or use scheme='demo' with kernels='torch'."
+            )
+
     def _check_shared_indices(self) -> None:
         if self.scheme != "demo":
             raise ValueError(
@@ -491,6 +515,7 @@ class FlexDeMoConfig:
             keys += ["value_dtype", "replicate_every"] if self.scheme != "none" else []  # none sends nothing
         keys += [key for key in ("overlap", "value_bits", "pack_indices", "shared_indices") if getattr(self, key)]
         keys += ["index_coding"] if self.index_coding != "fixed" else []
+        keys += ["derived_topk"] if self.derived_topk is not None else []
         if self.rounding != "nearest":
             keys.append("rounding")
         if self.kernels != "torch":

@@ -113,7 +113,7 @@ def test_sharded_replicas_match_the_one_process_reference(ranks, config):
 @pytest.mark.parametrize(
     "scheme",
     ["demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_shared", "demo_adam", "demo_ortho"]
-    + ["demo_eliasfano"],
+    + ["demo_eliasfano", "demo_derived"],
 )
 def test_checkpoint_restores_every_replicas_own_state(ranks, scheme):
     for rank in ranks:

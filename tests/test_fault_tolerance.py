@@ -731,6 +731,7 @@ REPLAYED = {
     "demo_ortho_adam": dict(scheme="demo", **UPDATE_RULES["demo_ortho_adam"]),
     "demo_adam": dict(scheme="demo", **UPDATE_RULES["demo_adam"]),
     "demo_shared": dict(scheme="demo", shared_indices=True),
+    "demo_derived": dict(scheme="demo", derived_topk=64, topk=4, value_bits=1, pack_indices=True),
     "random": dict(scheme="random"),
     "demo_every_2": dict(scheme="demo", replicate_every=2),  # the peer's synchronize() exchanges: replayed too
 }

@@ -12,6 +12,7 @@ from hf_flexdemo import FlexDeMo, FlexDeMoConfig
 from hf_flexdemo.buckets import Bucket, ParamSlot, build_buckets
 from hf_flexdemo.compression import (
     ChunkPlan,
+    EliasFano,
     flat_positions,
     from_coefficients,
     select_topk,
@@ -361,3 +362,62 @@ def test_shared_indices_send_the_shared_set_and_the_leader_picks_the_next():
         assert torch.equal(following, expected)
         if plan.k < plan.tile_size:  # (5, 3, 3) has 1x3 tiles: all of each is sent every step
             assert not torch.equal(following, torch.arange(plan.k).repeat(plan.n_tiles, 1))
+
+
+def test_derived_positions_send_values_without_indices_then_follow_the_decoded_updates():
+    """One replica: the first step sends each tile's first D coefficients and the top k of the rest; the next set
+    is where the decoded update was largest; the derived values travel with no indices."""
+    hp = dict(lr=0.05, topk=2, chunk=4, decay=0.9, sign=False, update="sign", derived_topk=5)
+    params = make_params()  # float64, values at the parameter's dtype: what is sent leaves the momentum exactly
+    opt = FlexDeMo(params, **hp)
+    i = 3  # (20, 12) in 4 x 4 tiles
+    plan = ChunkPlan.for_shape(params[i].shape, hp["chunk"], hp["topk"])
+    derived = torch.arange(hp["derived_topk"]).repeat(plan.n_tiles, 1)  # the first step's: the lowest positions
+    kept = torch.zeros(plan.rows * plan.cols, dtype=torch.float64)
+    for step in range(3):
+        grads = grads_for(step, params)
+        for p, g in zip(params, grads):
+            p.grad = g
+        whole = kept * hp["decay"] + to_coefficients(grads[i], plan).mul(hp["lr"]).reshape(-1)
+        opt.step()
+        kept = opt.state[params[i]]["momentum_dct"].reshape(-1).clone()
+        sent = whole - kept
+        assert torch.equal(sent[flat_positions(derived, plan)], whole[flat_positions(derived, plan)])
+        rest = whole.clone()
+        rest[flat_positions(derived, plan)] = 0
+        top = select_topk(rest.view(plan.rows, plan.cols), plan)[0]
+        where = torch.cat([flat_positions(derived, plan), flat_positions(top, plan)])
+        assert torch.equal(sent[where], whole[where])
+        unsent = sent[~torch.isin(torch.arange(sent.numel()), where)]  # what stayed, to the rounding of `whole`
+        torch.testing.assert_close(unsent, torch.zeros_like(unsent), rtol=0, atol=1e-15)
+        score = opt.state[params[i]]["derived_score"].reshape(plan.rows, plan.cols)
+        derived = torch.sort(tiles(score, plan), dim=1, descending=True, stable=True).indices[:, :5].sort(1).values
+        if step == 0:  # the decoded update's magnitudes in float32 (the first preference is below 1e-25)
+            torch.testing.assert_close(score.reshape(-1), sent.abs().float(), rtol=1e-7, atol=1e-25)
+            assert not torch.equal(derived, torch.arange(5).repeat(plan.n_tiles, 1))
+
+    p = torch.nn.Parameter(torch.randn(128, 64))
+    p.grad = torch.randn(128, 64)
+    opt = FlexDeMo([p], derived_topk=64, topk=4, value_bits=1, pack_indices=True, index_coding="elias_fano")
+    bucket = one_bucket(p, opt)
+    opt.scheme.init_state(bucket)
+    payload = opt.scheme.local_step(bucket, StepContext(step=1, replicate=True, replicas=1))
+    codes, scale, *top4 = payload  # no indices for the derived set: 64 one-bit codes and a scale per tile
+    assert codes.numel() == 2 * 64 // 8 and scale.shape == (2,) and scale.dtype == torch.float32
+    assert sum(t.numel() * t.element_size() for t in top4) == sum(
+        t.numel() * t.element_size() for t in EliasFano(4, 4096).encode(torch.arange(4).repeat(2, 1))
+    ) + 1 + 2 * 4  # four 1-bit codes per tile, packed (2 tiles: one byte), and a scale each
+
+
+@pytest.mark.parametrize(
+    "kwargs,fix",
+    [
+        (dict(derived_topk=8, scheme="random"), "scheme='random'"),
+        (dict(derived_topk=8, shared_indices=True), "shared_indices=True"),
+        (dict(derived_topk=0), ">= 1"),
+    ],
+)
+def test_derived_positions_are_refused_where_they_would_be_ignored(kwargs, fix):
+    with pytest.raises(ValueError, match="derived_topk") as err:
+        FlexDeMo([torch.nn.Parameter(torch.zeros(8, 8))], **kwargs)
+    assert fix in str(err.value)

@@ -117,6 +117,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         index_coding: str = "fixed",
         rounding: str = "nearest",
         shared_indices: bool = False,
+        derived_topk: int | None = None,
         kernels: str = "torch",
         simulate_replicas: int = 1,
         fault_tolerance: str = "off",

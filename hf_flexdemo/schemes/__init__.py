@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..config import FlexDeMoConfig
 from .base import Collective, Decoded, ParamSlot, ReplicationScheme, StepContext
 from .demo import DeMoScheme
+from .demo_derived import DerivedIndexDeMoScheme
 from .demo_shared import SharedIndexDeMoScheme
 from .dense import FullScheme, NoneScheme
 from .diloco import DiLoCoScheme
@@ -20,6 +21,8 @@ SCHEME_CLASSES: dict[str, type[ReplicationScheme]] = {
 def build_scheme(config: FlexDeMoConfig) -> ReplicationScheme:
     if config.shared_indices:  # demo only (checked by the config)
         return SharedIndexDeMoScheme(config)
+    if config.derived_topk is not None:  # demo only (checked by the config)
+        return DerivedIndexDeMoScheme(config)
     return SCHEME_CLASSES[config.scheme](config)
 
 
@@ -27,6 +30,7 @@ __all__ = [
     "SCHEME_CLASSES",
     "Collective",
     "DeMoScheme",
+    "DerivedIndexDeMoScheme",
     "Decoded",
     "DiLoCoScheme",
     "FullScheme",

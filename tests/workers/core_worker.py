@@ -199,16 +199,25 @@ def spatial_momentum(opt, p, hp) -> torch.Tensor:
     return from_coefficients(StateStore.local(opt.state[p]["momentum_dct"], local), plan).view(local.shape)
 
 
+def shared_index_state(opt, p) -> torch.Tensor:
+    """What picks the next positions on every replica alike: the shared index set, or the derived set's score."""
+    state = opt.state[p]
+    kept = state.get("shared_index_mask", state.get("derived_score", torch.zeros(0)))
+    return local_tensor(kept).clone()
+
+
 def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
     """DCP save/load restores each replica's own state; a resumed run continues the same curve."""
     out = {}
     names = ("demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_shared", "demo_adam", "demo_ortho")
-    for name in (*names, "demo_eliasfano"):
+    for name in (*names, "demo_eliasfano", "demo_derived"):
         scheme, _, variant = name.partition("_")
         hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4}
         hp.update(overlap=variant == "overlap", shared_indices=variant == "shared")
         if variant == "eliasfano":  # wire=2bit's wire format
             hp.update(value_bits=2, pack_indices=True, index_coding="elias_fano")
+        if variant == "derived":  # values at the positions every replica derives, beside the top 4
+            hp.update(derived_topk=8, value_bits=1, pack_indices=True, index_coding="elias_fano")
         hp.update(update={"adam": "adam", "ortho": "orthogonal"}.get(variant, "sign"))
         model = build(mesh)
         opt = FlexDeMo(model.parameters(), mesh=mesh, **hp)
@@ -222,7 +231,7 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
         params = list(model.parameters())
         saved = [StateStore.local(opt.state[p][key], local_tensor(p)).clone() for p in params]
         saved_total = opt.total_stats.bytes_sent
-        index_sets = [local_tensor(opt.state[p].get("shared_index_mask", torch.zeros(0))).clone() for p in params]
+        index_sets = [shared_index_state(opt, p) for p in params]
         rule_state = [local_tensor(opt.state[p].get("update_sq", torch.zeros(0))).clone() for p in params]
         state_prints = replica_fingerprints(saved, opt.topology)
         train(model, opt, coords, 4, first_step=6)
@@ -237,7 +246,7 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
         params2 = list(model2.parameters())
         loaded = [StateStore.local(opt2.state[p][key], local_tensor(p)).clone() for p in params2]
         restored_total = opt2.total_stats.bytes_sent
-        index_sets2 = [local_tensor(opt2.state[p].get("shared_index_mask", torch.zeros(0))).clone() for p in params2]
+        index_sets2 = [shared_index_state(opt2, p) for p in params2]
         rule_state2 = [local_tensor(opt2.state[p].get("update_sq", torch.zeros(0))).clone() for p in params2]
         train(model2, opt2, coords, 4, first_step=6)
         out[name] = {

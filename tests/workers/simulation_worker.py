@@ -27,6 +27,8 @@ CONFIGS = {
 }
 """The sign rule and the default rule, on DeMo's wire and the two compressed presets the issue names (``2bit``
 codes its indices in Elias-Fano). The presets keep their own top-k on the default 64 x 64 tiles."""
+CONFIGS["default_derived"] = dict(SMALL, derived_topk=8, value_bits=1, pack_indices=True, index_coding="elias_fano")
+"""The default rule with positions every replica derives (``derived_topk``) beside the top 4."""
 
 
 def train(name: str, replicas: int, rank: int | None, mesh=None) -> dict:
