@@ -17,8 +17,8 @@ import torch
 from .compression import DECODE_MODES, VALUE_BITS
 from .kernels import KERNELS
 from .kernels import check_settings as check_kernel_settings
+from .scheme_traits import SchemeTraits, scheme_names, schemes_where, traits_of
 
-SCHEMES = ("demo", "random", "striding", "diloco", "sparseloco", "full", "none")
 NS_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "float32": torch.float32}
 """Newton-Schulz's arithmetic (update='orthogonal'); ``auto`` picks one by device
 (:func:`hf_flexdemo.updates.orthogonal.newton_schulz_dtype`)."""
@@ -30,21 +30,12 @@ VALUE_DTYPES: dict[str, torch.dtype | None] = {
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
-PER_STEP_SCHEMES = ("demo", "random", "striding", "full")
-REPLAYABLE_SCHEMES = ("demo", "random", "striding")
-"""Schemes whose parameters move by the exchanged update alone, from a compressed payload: a lagging node can
-replay missed steps for less than a copy of the state (``full`` sends every entry: one step is already a copy)."""
 REPLAY_STEPS_DEFAULT = 32
 """Under torchft: enough for a node the others keep waiting for to sit out a few seconds and come back by replay."""
 STALL_WAIT_DEFAULT = 5.0
 JOIN_QUORUM = ("before_forward", "when_ready")
 JOIN_QUORUM_DEFAULT = "when_ready"
 """Under torchft: a slow node is left out of the steps it is late for instead of holding every quorum."""
-OUTER_STEP_SCHEMES = ("diloco", "sparseloco")
-"""Schemes with DiLoCo's local inner AdamW steps and an outer step every ``inner_steps``."""
-TOPK_SCHEMES = ("demo", "sparseloco")
-"""Schemes that send each tile's top-k entries: the ones ``value_bits``, ``pack_indices`` and ``index_coding``
-apply to."""
 INDEX_CODINGS = ("fixed", "elias_fano")
 
 
@@ -70,7 +61,6 @@ UPDATE_RULES = ("sign", "adam", "orthogonal")
 """How the decoded update becomes a parameter step (:mod:`hf_flexdemo.updates`)."""
 DEFAULT_UPDATE, DEFAULT_ELEMENTWISE_UPDATE = "orthogonal", "adam"
 """The rule where it applies: it won against AdamW-HSDP on every preset of the quality study (BENCHMARKS.md)."""
-SUBSET_SCHEMES = ("random", "striding")
 FAULT_TOLERANCE = ("off", "torchft")
 
 GROUP_KEYS = ("lr", "weight_decay", "decay", "topk", "chunk", "sign", "update", "betas", "eps")
@@ -129,7 +119,7 @@ class FlexDeMoConfig:
     value_dtype: str = field(
         default="param", metadata={"help": "dtype of values on the wire: 'param', 'bf16', 'fp16' or 'fp32'."}
     )
-    scheme: str = field(default="demo", metadata={"help": f"Replication scheme, one of {SCHEMES}."})
+    scheme: str = field(default="demo", metadata={"help": "Replication scheme: 'demo' (the default), 'random', 'striding', 'diloco', 'sparseloco', 'full' or 'none'."})
     replicate_every: int = field(
         default=1, metadata={"help": "Per-step schemes: replicate every N optimizer steps, accumulate in between."}
     )
@@ -231,7 +221,7 @@ class FlexDeMoConfig:
             "takes gradient_accumulation_steps (a multiple of R) micro-batches per step; plain PyTorch calls "
             "optimizer.next_replica() after each replica's backward. For trying a configuration on one GPU before "
             "renting nodes, and for loss studies. Per-step schemes only (replicas keep one model): "
-            f"{PER_STEP_SCHEMES}; no torchft, one process (no FSDP shards or replicate group)."
+            "demo, random, striding, full; no torchft, one process (no FSDP shards or replicate group)."
         },
     )
     fault_tolerance: str = field(
@@ -284,7 +274,7 @@ class FlexDeMoConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
-        _check_choice("scheme", self.scheme, SCHEMES)
+        _check_choice("scheme", self.scheme, scheme_names())
         self._apply_wire_preset()
         self._resolve_rules()
         validate_group(dataclasses.asdict(self), scheme=self.scheme, elementwise_update=self.elementwise_update)
@@ -297,16 +287,16 @@ class FlexDeMoConfig:
             )
         _check_choice("value_dtype", self.value_dtype, tuple(VALUE_DTYPES))
         _check_int("replicate_every", self.replicate_every, low=1)
-        if self.replicate_every != 1 and self.scheme not in PER_STEP_SCHEMES:
+        if self.replicate_every != 1 and not self.traits.per_step:
             raise ValueError(
                 f"FlexDeMo: replicate_every={self.replicate_every} applies to the per-step schemes "
-                f"{PER_STEP_SCHEMES}, not to scheme={self.scheme!r}; leave it at 1"
-                + (" and set inner_steps instead." if self.scheme in OUTER_STEP_SCHEMES else ".")
+                f"{schemes_where('per_step')}, not to scheme={self.scheme!r}; leave it at 1"
+                + (" and set inner_steps instead." if self.traits.outer_steps else ".")
             )
         _check_choice("value_bits", self.value_bits, VALUE_BITS)
-        if self.value_bits and self.scheme not in TOPK_SCHEMES:
+        if self.value_bits and not self.traits.top_k:
             raise ValueError(
-                f"FlexDeMo: value_bits={self.value_bits} applies to the top-k schemes {TOPK_SCHEMES}, not "
+                f"FlexDeMo: value_bits={self.value_bits} applies to the top-k schemes {schemes_where('top_k')}, not "
                 f"scheme={self.scheme!r}; leave it at 0 (for fewer bytes there, use value_dtype='bf16'), or for "
                 "low-bit outer steps use scheme='sparseloco'."
             )
@@ -319,9 +309,9 @@ class FlexDeMoConfig:
         for name in ("overlap", "pack_indices", "shared_indices"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FlexDeMo: {name}={getattr(self, name)!r} is invalid; {name} must be True or False.")
-        if self.overlap and self.scheme not in PER_STEP_SCHEMES:
+        if self.overlap and not self.traits.per_step:
             raise ValueError(
-                f"FlexDeMo: overlap=True applies to the per-step schemes {PER_STEP_SCHEMES}, not to "
+                f"FlexDeMo: overlap=True applies to the per-step schemes {schemes_where('per_step')}, not to "
                 f"scheme={self.scheme!r}; drop overlap=True."
             )
         if self.shared_indices:
@@ -372,12 +362,12 @@ class FlexDeMoConfig:
                     f"FlexDeMo: {name}={shown} applies to fault_tolerance='torchft' ({what}), but fault_tolerance "
                     f"is 'off'; drop {name}, or set fault_tolerance=torchft."
                 )
-        if self.replay_steps and self.scheme not in REPLAYABLE_SCHEMES:
+        if self.replay_steps and not self.traits.replayable:
             raise ValueError(
                 f"FlexDeMo: replay_steps={self.replay_steps} cannot apply to scheme={self.scheme!r}: a lagging node "
                 "always copies the whole state (DiLoCo's and SparseLoCo's inner steps move each node's parameters by "
                 f"its own gradients; one step of full is already a copy). Drop replay_steps (it applies to "
-                f"{REPLAYABLE_SCHEMES})."
+                f"{schemes_where('replayable')})."
             )
         if self.join_quorum is None:
             self.join_quorum = JOIN_QUORUM_DEFAULT if self.fault_tolerant else "before_forward"
@@ -390,10 +380,10 @@ class FlexDeMoConfig:
         _check_int("simulate_replicas", self.simulate_replicas, low=1)
         if self.simulate_replicas == 1:
             return
-        if self.scheme not in PER_STEP_SCHEMES:
+        if not self.traits.per_step:
             raise ValueError(
                 f"FlexDeMo: simulate_replicas={self.simulate_replicas} needs replicas that hold one model after every "
-                f"step, the per-step schemes {PER_STEP_SCHEMES}; scheme={self.scheme!r} lets each replica's "
+                f"step, the per-step schemes {schemes_where('per_step')}; scheme={self.scheme!r} lets each replica's "
                 "parameters move on their own. Pick one of those schemes, or leave simulate_replicas at 1 and "
                 "launch real nodes."
             )
@@ -410,7 +400,7 @@ class FlexDeMoConfig:
         if self.wire is None:
             return
         _check_choice("wire", self.wire, tuple(WIRE_PRESETS))
-        if self.scheme != "demo":
+        if not self.traits.dct:
             raise ValueError(
                 f"FlexDeMo: wire={self.wire!r} names a format of scheme='demo', not scheme={self.scheme!r}; drop wire, "
                 f"or set the scheme's own knobs ({WIRE_KNOBS})."
@@ -450,10 +440,11 @@ class FlexDeMoConfig:
         _check_choice("index_coding", self.index_coding, INDEX_CODINGS)
         if self.index_coding == "fixed":
             return
-        if self.scheme not in TOPK_SCHEMES or self.shared_indices:
+        if not self.traits.top_k or self.shared_indices:
             where = "shared_indices=True (one index set, summed)" if self.shared_indices else f"scheme={self.scheme!r}"
             raise ValueError(
-                f"FlexDeMo: index_coding={self.index_coding!r} codes the indices of the top-k schemes {TOPK_SCHEMES} "
+                f"FlexDeMo: index_coding={self.index_coding!r} codes the indices of the top-k schemes "
+                f"{schemes_where('top_k')} "
                 f"without shared_indices, so with {where} it would be ignored; drop index_coding."
             )
         if not self.pack_indices:
@@ -464,9 +455,9 @@ class FlexDeMoConfig:
 
     def _check_derived_topk(self) -> None:
         _check_int("derived_topk", self.derived_topk, low=1)
-        if self.scheme != "demo" or self.shared_indices or self.kernels != "torch":
+        if not self.traits.dct or self.shared_indices or self.kernels != "torch":
             where = (
-                f"scheme={self.scheme!r}" if self.scheme != "demo"
+                f"scheme={self.scheme!r}" if not self.traits.dct
                 else "shared_indices=True" if self.shared_indices else f"kernels={self.kernels!r}"
             )  # fmt: skip
             raise ValueError(
@@ -476,7 +467,7 @@ class FlexDeMoConfig:
             )
 
     def _check_shared_indices(self) -> None:
-        if self.scheme != "demo":
+        if not self.traits.dct:
             raise ValueError(
                 f"FlexDeMo: shared_indices=True applies to scheme='demo', not scheme={self.scheme!r}; "
                 "leave shared_indices=False."
@@ -501,18 +492,18 @@ class FlexDeMoConfig:
         says what the run does. ``lr``, ``weight_decay`` and the torchft settings are left to
         the caller.
         """
-        if self.scheme == "diloco":
-            keys = ["scheme", "inner_steps", "outer_lr", "outer_momentum", "betas", "value_dtype"]
-        elif self.scheme == "sparseloco":
-            keys = ["scheme", "inner_steps", "topk", "chunk", "outer_lr", "outer_momentum", "betas", "value_dtype"]
+        traits = self.traits
+        if traits.outer_steps:
+            tiles = ("topk", "chunk") if traits.top_k else ()
+            keys = ["scheme", "inner_steps", *tiles, "outer_lr", "outer_momentum", "betas", "value_dtype"]
         else:
-            keys = ["scheme", *(("topk", "chunk") if self.scheme == "demo" else ()), "decay", "update"]
+            keys = ["scheme", *(("topk", "chunk") if traits.top_k else ()), "decay", "update"]
             keys += ["sign"] if self.update == "sign" else []  # sign=False: the decoded update as it is
             keys += ["elementwise_update"] if self.update == "orthogonal" else []
             keys += ["ns_dtype"] if self.update == "orthogonal" and self.ns_dtype != "auto" else []
-            keys += ["decode"] if self.scheme == "demo" and not self.shared_indices else []  # shared: a sum
-            keys += ["rate"] if self.scheme in SUBSET_SCHEMES else []
-            keys += ["value_dtype", "replicate_every"] if self.scheme != "none" else []  # none sends nothing
+            keys += ["decode"] if traits.dct and not self.shared_indices else []  # shared: a sum
+            keys += ["rate"] if traits.subset else []
+            keys += ["value_dtype", "replicate_every"] if traits.sends else []
         keys += [key for key in ("overlap", "value_bits", "pack_indices", "shared_indices") if getattr(self, key)]
         keys += ["index_coding"] if self.index_coding != "fixed" else []
         keys += ["derived_topk"] if self.derived_topk is not None else []
@@ -523,6 +514,11 @@ class FlexDeMoConfig:
         if self.simulate_replicas != 1:
             keys.append("simulate_replicas")
         return tuple(keys)
+
+    @property
+    def traits(self) -> SchemeTraits:
+        """What the scheme supports (declared on its class, :mod:`hf_flexdemo.scheme_traits`)."""
+        return traits_of(self.scheme)
 
     @property
     def fault_tolerant(self) -> bool:
@@ -650,7 +646,8 @@ def default_update(scheme: str, sign: bool = True) -> str:
     SparseLoCo move parameters by their own outer step (``update`` is not read there); ``sign=False`` is a
     variant of the sign rule (the decoded update as it is), so it keeps that rule.
     """
-    if scheme in SUBSET_SCHEMES or scheme in OUTER_STEP_SCHEMES or not sign:
+    traits = traits_of(scheme)
+    if traits.subset or traits.outer_steps or not sign:
         return "sign"
     return DEFAULT_UPDATE
 
@@ -673,7 +670,7 @@ def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str =
     if update != "sign":
         _check_update_rule(update, group["sign"], scheme)
     uses_adam = update == "adam" or (update == "orthogonal" and elementwise_update == "adam")
-    if scheme not in OUTER_STEP_SCHEMES and not uses_adam:
+    if not traits_of(scheme).outer_steps and not uses_adam:
         return
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -684,9 +681,10 @@ def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str =
 
 
 def _check_update_rule(update: str, sign: bool, scheme: str) -> None:
-    if scheme in OUTER_STEP_SCHEMES:
+    traits = traits_of(scheme)
+    if traits.outer_steps:
         raise ValueError(
-            f"FlexDeMo: update={update!r} applies to the per-step schemes {PER_STEP_SCHEMES}, not to "
+            f"FlexDeMo: update={update!r} applies to the per-step schemes {schemes_where('per_step')}, not to "
             f"scheme={scheme!r}, whose outer step is its own rule; leave update unset (or 'sign')."
         )
     if not sign:
@@ -694,7 +692,7 @@ def _check_update_rule(update: str, sign: bool, scheme: str) -> None:
             f"FlexDeMo: sign=False applies to update='sign' (it applies the decoded update as it is), not to "
             f"update={update!r}; drop sign=False."
         )
-    if scheme in SUBSET_SCHEMES:
+    if traits.subset:
         raise ValueError(
             f"FlexDeMo: update={update!r} needs every entry's update at every replication (orthogonal: whole "
             f"matrices; adam: one bias-corrected second moment), but scheme={scheme!r} sends a scattered subset; use "

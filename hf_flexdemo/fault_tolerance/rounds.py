@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import REPLAYABLE_SCHEMES
 from ..dtensor_utils import local_tensor
 from ..topology import ReplicaTopology
 from .closing import ClosingRounds
@@ -38,7 +37,7 @@ class QuorumRounds(ClosingRounds, ReplicaState):
 
     def _init_quorum_rounds(self) -> None:
         self._managed = None  # fault tolerance: the ManagedReplicas that decide who the replicas are each step
-        replayable = self.config.fault_tolerant and self.config.scheme in REPLAYABLE_SCHEMES
+        replayable = self.config.fault_tolerant and self.scheme.traits.replayable
         self._replay = ReplayLog(self.config.replay_steps if replayable else 0)  # steps a lagging peer may replay
         self._missed: list[LoggedStep] | None = None  # steps this node missed, replayed at its next commit
 
@@ -88,7 +87,7 @@ class QuorumRounds(ClosingRounds, ReplicaState):
             not sync_only
             and self._managed is not None
             and self.config.join_quorum == "when_ready"
-            and self.config.scheme == "demo"
+            and self.scheme.traits.payload_first
             and self.config.rounding != "stochastic"
             and not self.config.overlap
             and not self._managed.round_open

@@ -109,7 +109,7 @@ class FlexDeMoCallback(TrainerCallback):
             self._node_group = dist.group.WORLD if dist.is_initialized() else None
             if state.is_world_process_zero:
                 logger.info("FlexDeMo: %s trains in a torchft quorum of live nodes.", opt.managed.identity.name)
-        elif opt.config.scheme == "none" and topo.size > 1:
+        elif not opt.config.traits.sends and topo.size > 1:
             logger.warning(
                 "FlexDeMo scheme='none' on %d replicas: nothing is exchanged, so replicas drift apart.", topo.size
             )

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from ..compression import dct_matrix
+from ..scheme_traits import schemes_where, traits_of
 
 KERNELS = ("torch", "triton")
 """Values of the setting ``kernels``."""
@@ -34,9 +35,6 @@ KERNELS = ("torch", "triton")
 MAX_TILE_SIDE = 64
 """Largest tile side the kernels take (``chunk``): a program holds a whole tile and its DCT matrices (a 64 x 64
 tile's encode takes 48 KiB of shared memory on an H100; a 128 x 128 one would take 192 KiB, beyond an A100's)."""
-
-FUSED_SCHEMES = ("demo",)
-"""Schemes whose step runs the kernels (without ``shared_indices``)."""
 
 _INTERPRET_ON = ("1", "true", "yes", "on", "y")
 
@@ -66,11 +64,13 @@ def triton_missing(device: torch.device | None = None) -> str | None:
 def check_settings(*, scheme: str, shared_indices: bool, chunk: int) -> None:
     """Refuse ``kernels='triton'`` where it cannot run or would run nothing (ValueError naming the setting)."""
     fix = "write kernels='torch' (the default)"
-    if scheme not in FUSED_SCHEMES or shared_indices:
-        which = "shared_indices=True" if scheme in FUSED_SCHEMES else f"scheme={scheme!r}"
+    fused = traits_of(scheme).fused_kernels
+    if not fused or shared_indices:
+        which = "shared_indices=True" if fused else f"scheme={scheme!r}"
+        names = " or ".join(repr(name) for name in schemes_where("fused_kernels"))
         raise ValueError(
-            f"FlexDeMo: kernels='triton' fuses the passes of scheme='demo' (without shared_indices), so with {which} "
-            f"it would be ignored; {fix}, or scheme='demo' without shared_indices."
+            f"FlexDeMo: kernels='triton' fuses the passes of scheme={names} (without shared_indices), so with "
+            f"{which} it would be ignored; {fix}, or scheme={names} without shared_indices."
         )
     check_chunk(chunk)
     why = triton_missing()

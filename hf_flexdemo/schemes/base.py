@@ -25,6 +25,7 @@ from ..buckets import Bucket, ParamSlot
 from ..compression import ChunkPlan
 from ..config import FlexDeMoConfig
 from ..kernels import dense_decoder
+from ..scheme_traits import SchemeTraits, register
 from ..state_store import StateView
 
 
@@ -101,12 +102,20 @@ class ReplicationScheme(ABC):
 
     name: str
     collective: Collective
+    traits: SchemeTraits
+    """What it supports (which settings apply): every class that has a ``name`` declares its own."""
     shared_keys: tuple[str, ...] = ()
     """State entries equal on every replica: a node that heals copies them from a peer (besides ``step``)."""
     local_keys: tuple[str, ...] = ()
     """State entries ``local_step`` changes before the exchange (undone if the step is not committed)."""
     moves_parameters_locally = False
     """Whether ``local_step`` changes the parameters (undone too)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:  # a scheme users name (the variants of one, like shared_indices, are not)
+            assert "traits" in cls.__dict__, f"{cls.__name__} names scheme {cls.name!r} without its own traits"
+            register(cls.name, cls.traits)
 
     def __init__(self, config: FlexDeMoConfig):
         self.config = config

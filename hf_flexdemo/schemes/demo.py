@@ -30,6 +30,7 @@ from ..buckets import Bucket, ParamSlot
 from ..compression import ChunkPlan, to_coefficients
 from ..config import FlexDeMoConfig
 from ..kernels import check_bucket, encoder
+from ..scheme_traits import SchemeTraits
 from .base import Collective, Decoded, SparseCoefficients, StepContext
 from .momentum import MomentumScheme
 from .sparse_wire import TopKWire
@@ -41,6 +42,7 @@ TILE_STATE = "dct_tiles"
 class DeMoScheme(MomentumScheme):
     name = "demo"
     collective = Collective.ALL_GATHER
+    traits = SchemeTraits(per_step=True, replayable=True, top_k=True, dct=True, fused_kernels=True, payload_first=True)
     momentum_key = "momentum_dct"
 
     def __init__(self, config: FlexDeMoConfig):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..buckets import Bucket
+from ..scheme_traits import SchemeTraits
 from .base import Collective, Decoded, StepContext
 from .momentum import MomentumScheme
 
@@ -23,6 +24,7 @@ from .momentum import MomentumScheme
 class FullScheme(MomentumScheme):
     name = "full"
     collective = Collective.ALL_REDUCE
+    traits = SchemeTraits(per_step=True)
 
     def local_step(self, bucket: Bucket, ctx: StepContext) -> list[torch.Tensor]:
         m = self.accumulate(bucket)
@@ -41,6 +43,7 @@ class FullScheme(MomentumScheme):
 class NoneScheme(FullScheme):
     name = "none"
     collective = Collective.NONE
+    traits = SchemeTraits(sends=False)
 
     def replicas_match(self, state, step: int) -> bool:
         return False

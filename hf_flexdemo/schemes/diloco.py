@@ -22,6 +22,7 @@ import torch
 
 from ..buckets import Bucket
 from ..state_store import StateStore, StateView
+from ..scheme_traits import SchemeTraits
 from .base import Collective, ReplicationScheme, StepContext
 from .momentum import momentum_dtype
 
@@ -29,6 +30,7 @@ from .momentum import momentum_dtype
 class DiLoCoScheme(ReplicationScheme):
     name = "diloco"
     collective = Collective.ALL_REDUCE
+    traits = SchemeTraits(outer_steps=True)
     shared_keys = ("anchor", "outer_momentum", "last_outer_step")
     local_keys = ("exp_avg", "exp_avg_sq")
     moves_parameters_locally = True

@@ -29,6 +29,7 @@ import torch
 from ..buckets import Bucket
 from ..compression import ChunkPlan, decode_replicas, flat_positions, select_topk
 from ..config import FlexDeMoConfig
+from ..scheme_traits import SchemeTraits
 from .base import Collective, StepContext
 from .demo import DeMoScheme
 from .diloco import DiLoCoScheme
@@ -41,6 +42,7 @@ ERROR_FEEDBACK = "outer_error"
 class SparseLoCoScheme(DiLoCoScheme):
     name = "sparseloco"
     collective = Collective.ALL_GATHER
+    traits = SchemeTraits(outer_steps=True, top_k=True)
     shared_keys = ("anchor", "last_outer_step")
     local_keys = ("exp_avg", "exp_avg_sq", ERROR_FEEDBACK)
 

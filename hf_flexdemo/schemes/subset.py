@@ -23,6 +23,7 @@ from abc import abstractmethod
 import torch
 
 from ..buckets import Bucket
+from ..scheme_traits import SchemeTraits
 from .base import Collective, Decoded, StepContext
 from .momentum import MomentumScheme
 
@@ -67,6 +68,7 @@ class SubsetScheme(MomentumScheme):
 
 class RandomScheme(SubsetScheme):
     name = "random"
+    traits = SchemeTraits(per_step=True, replayable=True, subset=True)
 
     def tensor_positions(self, bucket: Bucket, ctx: StepContext) -> torch.Tensor:
         numel, block = bucket.numel, self.block
@@ -82,6 +84,7 @@ class RandomScheme(SubsetScheme):
 
 class StridingScheme(SubsetScheme):
     name = "striding"
+    traits = SchemeTraits(per_step=True, replayable=True, subset=True)
 
     def tensor_positions(self, bucket: Bucket, ctx: StepContext) -> torch.Tensor:
         block = self.block

@@ -1,0 +1,67 @@
+"""What each replication scheme supports: declared once, on its class, and looked up here by the scheme's name.
+
+A scheme class (:mod:`hf_flexdemo.schemes`) that has a ``name`` registers its :class:`SchemeTraits` when it is
+defined. The settings (:mod:`hf_flexdemo.config`), the kernels and the fault-tolerant rounds ask here which schemes
+a setting applies to, so that a new scheme is one class in one file. This module imports nothing of the package:
+the schemes import the settings, and the settings read the traits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class SchemeTraits:
+    """What one scheme does, as the settings that apply to it depend on."""
+
+    per_step: bool = False
+    """Every step folds the gradient into a momentum, and replication steps move every replica by one decoded update:
+    ``replicate_every``, ``overlap`` and ``simulate_replicas`` apply."""
+    replayable: bool = False
+    """Parameters move by the exchanged update alone, from a compressed payload: a lagging torchft node replays
+    missed steps for less than a copy of the state (``full`` sends every entry: one step is already a copy)."""
+    outer_steps: bool = False
+    """Local inner AdamW steps and an outer step every ``inner_steps`` (DiLoCo's kind): the update rules, whose
+    step is the per-step schemes', do not apply, and ``betas`` and ``eps`` are the inner AdamW's."""
+    top_k: bool = False
+    """Sends each tile's top-k entries: ``topk``, ``chunk``, ``value_bits``, ``pack_indices``, ``index_coding``."""
+    dct: bool = False
+    """DeMo's top-k of the momentum's DCT: ``wire`` presets, ``decode``, ``shared_indices``, ``derived_topk``."""
+    subset: bool = False
+    """Sends a scattered subset of the momentum's entries (``rate``): only the sign rule takes it."""
+    fused_kernels: bool = False
+    """``kernels='triton'`` fuses its passes."""
+    payload_first: bool = False
+    """Its payload depends on this replica's state alone (no quorum's step or rank): under torchft a node that joins
+    when ready encodes it before asking for the quorum."""
+    sends: bool = True
+    """Anything crosses nodes (``none`` sends nothing): ``value_dtype`` and ``replicate_every`` apply."""
+
+
+_REGISTERED: dict[str, SchemeTraits] = {}
+
+
+def register(name: str, traits: SchemeTraits) -> None:
+    """Called by each named scheme class as it is defined (``ReplicationScheme.__init_subclass__``)."""
+    if name in _REGISTERED and _REGISTERED[name] != traits:
+        raise RuntimeError(f"FlexDeMo: two scheme classes call themselves {name!r}")
+    _REGISTERED[name] = traits
+
+
+def scheme_names() -> tuple[str, ...]:
+    """Every scheme, in the order the classes were defined."""
+    if not _REGISTERED:
+        raise RuntimeError("FlexDeMo: no replication scheme is defined yet; import hf_flexdemo first")
+    return tuple(_REGISTERED)
+
+
+def traits_of(scheme: str) -> SchemeTraits:
+    scheme_names()
+    return _REGISTERED[scheme]
+
+
+def schemes_where(trait: str) -> tuple[str, ...]:
+    """The schemes that have ``trait`` (a :class:`SchemeTraits` field), for messages that name them."""
+    assert trait in {f.name for f in fields(SchemeTraits)}, trait
+    return tuple(name for name in scheme_names() if getattr(_REGISTERED[name], trait))
