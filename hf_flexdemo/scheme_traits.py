@@ -39,14 +39,23 @@ class SchemeTraits:
     """Anything crosses nodes (``none`` sends nothing): ``value_dtype`` and ``replicate_every`` apply."""
 
 
-_REGISTERED: dict[str, SchemeTraits] = {}
+_REGISTERED: dict[str, type] = {}
+"""Scheme name -> its class (a ``ReplicationScheme`` with a ``traits`` attribute)."""
 
 
-def register(name: str, traits: SchemeTraits) -> None:
+def register(scheme_class: type) -> None:
     """Called by each named scheme class as it is defined (``ReplicationScheme.__init_subclass__``)."""
-    if name in _REGISTERED and _REGISTERED[name] != traits:
-        raise RuntimeError(f"FlexDeMo: two scheme classes call themselves {name!r}")
-    _REGISTERED[name] = traits
+    name = scheme_class.name
+    if _REGISTERED.get(name, scheme_class) is not scheme_class:
+        raise RuntimeError(f"FlexDeMo: {scheme_class.__name__} and {_REGISTERED[name].__name__} both call themselves "
+                           f"scheme {name!r}")  # fmt: skip
+    _REGISTERED[name] = scheme_class
+
+
+def scheme_class(scheme: str) -> type:
+    """The class of scheme ``scheme`` (one of :func:`scheme_names`)."""
+    scheme_names()
+    return _REGISTERED[scheme]
 
 
 def scheme_names() -> tuple[str, ...]:
@@ -57,11 +66,10 @@ def scheme_names() -> tuple[str, ...]:
 
 
 def traits_of(scheme: str) -> SchemeTraits:
-    scheme_names()
-    return _REGISTERED[scheme]
+    return scheme_class(scheme).traits
 
 
 def schemes_where(trait: str) -> tuple[str, ...]:
     """The schemes that have ``trait`` (a :class:`SchemeTraits` field), for messages that name them."""
     assert trait in {f.name for f in fields(SchemeTraits)}, trait
-    return tuple(name for name in scheme_names() if getattr(_REGISTERED[name], trait))
+    return tuple(name for name in scheme_names() if getattr(traits_of(name), trait))

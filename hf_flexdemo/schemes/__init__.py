@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..config import FlexDeMoConfig
+from ..scheme_traits import scheme_class, scheme_names
 from .base import Collective, Decoded, ParamSlot, ReplicationScheme, StepContext
 from .demo import DeMoScheme
 from .demo_derived import DerivedIndexDeMoScheme
@@ -12,10 +13,8 @@ from .diloco import DiLoCoScheme
 from .sparseloco import SparseLoCoScheme
 from .subset import RandomScheme, StridingScheme
 
-SCHEME_CLASSES: dict[str, type[ReplicationScheme]] = {
-    cls.name: cls
-    for cls in (DeMoScheme, RandomScheme, StridingScheme, DiLoCoScheme, SparseLoCoScheme, FullScheme, NoneScheme)
-}
+SCHEME_CLASSES: dict[str, type[ReplicationScheme]] = {name: scheme_class(name) for name in scheme_names()}
+"""Every scheme by name: the classes above registered themselves (:mod:`hf_flexdemo.scheme_traits`)."""
 
 
 def build_scheme(config: FlexDeMoConfig) -> ReplicationScheme:
@@ -23,7 +22,7 @@ def build_scheme(config: FlexDeMoConfig) -> ReplicationScheme:
         return SharedIndexDeMoScheme(config)
     if config.derived_topk is not None:  # demo only (checked by the config)
         return DerivedIndexDeMoScheme(config)
-    return SCHEME_CLASSES[config.scheme](config)
+    return scheme_class(config.scheme)(config)
 
 
 __all__ = [

@@ -115,7 +115,7 @@ class ReplicationScheme(ABC):
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__:  # a scheme users name (the variants of one, like shared_indices, are not)
             assert "traits" in cls.__dict__, f"{cls.__name__} names scheme {cls.name!r} without its own traits"
-            register(cls.name, cls.traits)
+            register(cls)
 
     def __init__(self, config: FlexDeMoConfig):
         self.config = config
