@@ -9,7 +9,10 @@ them catches what the derived set misses, and feeds the score that picks the nex
 Per replication step and parameter (``derived_topk=D``, ``topk=k``)::
 
     P     = top-D of the score S per tile    ties to the lower position; the same on every replica
-    Q[P] -= decoded(Q[P])                    values only: value_bits codes and a scale, or value_dtype
+    w     = S[P] / max per tile              each value's expected magnitude, known to every replica
+    Q[P] -= decoded(Q[P])                    values only: at 1 bit sign(Q[P]) * a * w, with a tile's fit
+                                             a = sum |Q[P]| w / sum w^2; else value_bits codes and a scale,
+                                             or value_dtype
     J     = top-k of |Q| outside P           DeMo's selection, with its indices
     Q[J] -= decoded(Q[J])                    error feedback, as DeMo's
     U     = mean of all replicas' Q[P] at P, decode(J parts) elsewhere
@@ -34,6 +37,7 @@ from ..compression import (
     flat_positions,
     from_coefficients,
     pack_bits,
+    unpack_bits,
     quantize_codes,
     select_topk,
     tiles,
@@ -43,6 +47,9 @@ from .demo import DeMoScheme
 
 SCORE = "derived_score"
 """Laid out like the parameter's coefficients: a decaying sum of the decoded updates' magnitudes."""
+
+NO_HISTORY = 1e-20
+"""A tile whose score stays below this has no decoded update yet (the first step's preference is about 1e-27)."""
 
 SCORE_DECAY = 0.9
 """How fast a position that stops arriving leaves the derived set (about ten replications)."""
@@ -79,16 +86,39 @@ class DerivedIndexDeMoScheme(DeMoScheme):
         order = torch.sort(tiles(self.score(bucket), plan), dim=1, descending=True, stable=True).indices
         return order[:, : plan.k].sort(dim=1).values
 
-    def encode_values(self, values: torch.Tensor, wire_dtype: torch.dtype, ctx: StepContext):
-        """What travels for the derived set's ``(n_tiles, D)`` values, and the values receivers read back."""
+    def expected_magnitudes(self, bucket: Bucket, at: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """``(n_tiles, D)`` weights from the score at the derived positions, each tile's largest 1: how large each
+        value is expected to be, known alike to every replica (a tile with no history yet: all 1)."""
+        weights = self.score(bucket).view(-1)[at].view(shape)
+        largest = weights.amax(dim=1, keepdim=True)
+        fresh = largest < NO_HISTORY
+        return torch.where(fresh, torch.ones_like(weights), weights / torch.where(fresh, 1.0, largest))
+
+    def encode_values(self, values: torch.Tensor, weights: torch.Tensor, wire_dtype: torch.dtype, ctx: StepContext):
+        """What travels for the derived set's ``(n_tiles, D)`` values, and the values receivers read back.
+
+        At 1 bit a value reads back as its sign times ``scale * weight``: the magnitudes come from the shared
+        score, and the tile's scale is their least-squares fit to ``|v|``."""
         bits = self.config.value_bits
+        if bits == 1:
+            values = values.float()
+            scale = (values.abs() * weights).sum(1) / (weights * weights).sum(1)
+            codes = (values >= 0).to(torch.int64)
+            return [pack_bits(codes, 1), scale], self.signed(codes, scale, weights)
         if bits:
             codes, scale = quantize_codes(values, bits, self.wire.noise(values.shape, values.device, ctx.noise))
             return [pack_bits(codes, bits), scale], dequantize_codes(codes, scale, bits)
         sent = values.to(wire_dtype)
         return [sent], sent
 
-    def read_values(self, part: list[torch.Tensor], plan: ChunkPlan) -> torch.Tensor:
+    @staticmethod
+    def signed(codes: torch.Tensor, scale: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return (codes * 2 - 1).float() * weights * scale.view(-1, 1)
+
+    def read_values(self, part: list[torch.Tensor], plan: ChunkPlan, weights: torch.Tensor) -> torch.Tensor:
+        if self.config.value_bits == 1:
+            codes, scale = part
+            return self.signed(unpack_bits(codes, 1, weights.numel()).view(weights.shape), scale, weights)
         if self.config.value_bits:
             codes, scale = part
             return dequantize_tiles(codes, scale, self.config.value_bits, plan.k)
@@ -99,7 +129,7 @@ class DerivedIndexDeMoScheme(DeMoScheme):
         plan = self.plan(bucket)
         if not ctx.replicate:
             return []
-        bucket.carried = (plan, None)
+        bucket.carried = (plan, None, None)
         if plan.n_tiles == 0:
             return []
         derived_plan = self.derived_plan(bucket)
@@ -107,27 +137,28 @@ class DerivedIndexDeMoScheme(DeMoScheme):
         wire_dtype = self.wire_dtype(bucket)
         flat = q.view(-1)
         at = flat_positions(derived, derived_plan)
-        derived_sent, derived_read = self.encode_values(flat[at].view(derived.shape), wire_dtype, ctx)
+        weights = self.expected_magnitudes(bucket, at, derived.shape)
+        derived_sent, derived_read = self.encode_values(flat[at].view(derived.shape), weights, wire_dtype, ctx)
         flat.index_add_(0, at, derived_read.reshape(-1).to(q.dtype), alpha=-1.0)
         outside = q.clone()
         outside.view(-1)[at] = 0.0  # the top-k looks only where the derived set did not
         indices, values = select_topk(outside, plan)
         sent, read = self.wire.encode(indices, values, plan, wire_dtype, generator=ctx.noise)
         flat.index_add_(0, flat_positions(indices, plan), read.reshape(-1).to(q.dtype), alpha=-1.0)
-        bucket.carried = (plan, derived)
+        bucket.carried = (plan, derived, weights)
         return [*derived_sent, *sent]
 
     def apply(self, bucket: Bucket, received: list[list[torch.Tensor]], ctx: StepContext) -> Decoded | None:
         if bucket.carried is None:
             return None
-        plan, derived = bucket.carried
+        plan, derived, weights = bucket.carried
         if plan.n_tiles == 0:
             return self.empty_update(bucket)
         derived_plan = self.derived_plan(bucket)
         dtype = self.momentum(bucket).dtype
         split = 2 if self.config.value_bits else 1
         # Every replica sent the whole derived set: its mean is a plain mean, added in replica order.
-        derived_part = (derived, sum(self.read_values(part[:split], derived_plan).to(dtype) for part in received))
+        derived_part = (derived, sum(self.read_values(part[:split], derived_plan, weights).to(dtype) for part in received))
         update = decode_replicas([derived_part], derived_plan, "mean", dtype).view(-1).div_(len(received))
         parts = [self.wire.read(part[split:], plan) for part in received]
         update += decode_replicas(parts, plan, self.config.decode, dtype).view(-1)
