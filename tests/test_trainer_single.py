@@ -259,3 +259,17 @@ def test_uneven_nodes_and_model_parallel_sizes_are_refused_with_what_to_write(mo
     accelerator = SimpleNamespace(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
     with pytest.raises(ValueError, match="(?s)also sets tp/cp/sp.*Set the tp, cp and sp sizes to 1"):
         _ensure_layout(accelerator)
+
+
+def test_the_trainer_reads_flexdemos_settings_once(tok, tmp_path, monkeypatch):
+    from hf_flexdemo.integrations import training_args
+
+    parsed = []
+    original = training_args.parse_optim_args
+    monkeypatch.setattr(training_args, "parse_optim_args", lambda text: parsed.append(text) or original(text))
+    training_args._settings.cache_clear()
+    trainer = flexdemo_llama_trainer(tok, tmp_path, rows=16, max_steps=2, save_strategy="no", optim_args="topk=7")
+    trainer.train()
+    assert parsed == ["topk=7"]
+    trainer.args.optim_args = "topk=6"  # a script that changes its arguments is read again
+    assert training_args.flexdemo_config(trainer.args).topk == 6 and parsed == ["topk=7", "topk=6"]

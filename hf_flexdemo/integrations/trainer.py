@@ -40,7 +40,7 @@ from ._patching import wrap_method
 from .callback import FlexDeMoCallback
 from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
 from .resume import check_checkpoint_model, stop_if_complete
-from .training_args import OPTIM_NAME, describe, flexdemo_kwargs, is_flexdemo
+from .training_args import OPTIM_NAME, describe, flexdemo_config, flexdemo_kwargs, is_flexdemo
 
 __all__ = [
     "OPTIM_NAME",
@@ -100,7 +100,7 @@ def fault_tolerant_identity(trainer):
 
 def _flexdemo_handler(ctx) -> tuple[type, dict[str, Any]]:
     kwargs = flexdemo_kwargs(ctx.args)
-    if FlexDeMoConfig(**kwargs).update == "orthogonal" and ctx.model is not None:
+    if flexdemo_config(ctx.args).update == "orthogonal" and ctx.model is not None:
         kwargs["elementwise"] = elementwise_parameters(ctx.model)  # embeddings and heads: elementwise_update
     kwargs.pop("weight_decay")  # the Trainer passes it per parameter group
     return FlexDeMo, kwargs
@@ -168,7 +168,7 @@ def _trainer_init(original, self, *args, **kwargs):
     original(self, *args, **kwargs)
     elastic.exit_with_launcher()
     if is_flexdemo(self.args):
-        config = FlexDeMoConfig(**flexdemo_kwargs(self.args))
+        config = flexdemo_config(self.args)
         if config.fault_tolerant:
             from .fault_tolerant_trainer import prepare_fault_tolerant_trainer
 
@@ -187,7 +187,7 @@ def _trainer_train(original, self, resume_from_checkpoint=None, *args, **kwargs)
         check_checkpoint_model(Path(resume), self.model)
         stop_if_complete(Path(resume), self.args)
     if resume is not None and is_flexdemo(self.args):
-        config = FlexDeMoConfig(**flexdemo_kwargs(self.args))
+        config = flexdemo_config(self.args)
         _check_resumed_rules(Path(resume), config)
         if config.fault_tolerant:
             from .fault_tolerant_trainer import resume_node

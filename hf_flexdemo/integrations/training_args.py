@@ -8,6 +8,7 @@ from each other.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from transformers import TrainingArguments
@@ -28,25 +29,34 @@ def is_flexdemo(args: TrainingArguments) -> bool:
 
 
 def flexdemo_kwargs(args: TrainingArguments) -> dict[str, Any]:
-    """FlexDeMo's keyword arguments for ``args``; raises ValueError on bad ``optim_args``."""
-    overrides = parse_optim_args(args.optim_args)
+    """FlexDeMo's keyword arguments for ``args`` (a copy); raises ValueError on bad ``optim_args``."""
+    return dict(_settings(*_read_from(args))[0])
+
+
+def flexdemo_config(args: TrainingArguments) -> FlexDeMoConfig:
+    """FlexDeMo's settings for ``args``, validated; read once for the same arguments (do not change it)."""
+    return _settings(*_read_from(args))[1]
+
+
+def _read_from(args: TrainingArguments) -> tuple:
+    """What FlexDeMo's settings depend on: a script may change ``args`` between two reads."""
+    betas = (args.adam_beta1, args.adam_beta2)
+    return args.optim_args, args.learning_rate, args.weight_decay, betas, args.adam_epsilon
+
+
+@functools.lru_cache(maxsize=8)
+def _settings(optim_args, lr, weight_decay, betas, eps) -> tuple[dict[str, Any], FlexDeMoConfig]:
+    overrides = parse_optim_args(optim_args)
     for key, flag in FROM_TRAINING_ARGUMENTS.items():
         if key in overrides:
             raise ValueError(f"FlexDeMo optim_args: set {key!r} with the standard TrainingArguments flag {flag}.")
-    kwargs = {
-        "lr": args.learning_rate,
-        "weight_decay": args.weight_decay,
-        "betas": (args.adam_beta1, args.adam_beta2),
-        "eps": args.adam_epsilon,
-        **overrides,
-    }
-    FlexDeMoConfig(**kwargs)  # validate now, with the same messages as the optimizer
-    return kwargs
+    kwargs = {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps, **overrides}
+    return kwargs, FlexDeMoConfig(**kwargs)  # validated now, with the same messages as the optimizer
 
 
 def describe(args: TrainingArguments) -> str:
     """One line naming the optimizer and the settings that act (for logs and model cards)."""
-    config = FlexDeMoConfig(**flexdemo_kwargs(args))
+    config = flexdemo_config(args)
     return "FlexDeMo(" + ", ".join(f"{k}={getattr(config, k)!r}" for k in config.acting_settings()) + ")"
 
 
