@@ -104,24 +104,23 @@ class QuorumRounds(ClosingRounds, ReplicaState):
         """
         buckets = self._bucketed()
         self._count_step(buckets)
-        stepping = [bucket.for_step() for bucket in buckets]
-        undo = self._snapshot(stepping, undo_step=True, with_params=False)  # decay waits for the commit
-        assumed = self._context(self._steps_taken() + self._steps_to_replay(), False, self.topology)
-        payloads, grad_bytes = self._local_steps(stepping, assumed, False, drop_gradient=False)
+        # The same local part as a step in its round (weight decay waits for the commit: no copy of the parameters)
+        encoded = self._encode_step(buckets, False, self.topology, in_quorum=True, drop_gradient=False)
         joined = self._enter_round(False)
         if joined is None:  # the job finished meanwhile: this gradient would be a step past its end
-            undo_local_step(undo)
+            undo_local_step(encoded.undo)
             self._book.host_step = None
             return False
-        ctx = self._context(self._steps_taken() + self._steps_to_replay(), False, self.topology)
-        if joined.drop_gradient or ctx.replicate != assumed.replicate:
+        ctx = self._context(self._this_step(), False, self.topology)
+        if joined.drop_gradient or ctx.replicate != encoded.ctx.replicate:
             if not joined.drop_gradient:  # (a heal that copied a peer's state replaced the encoding with the rest)
-                undo_local_step(undo)
+                undo_local_step(encoded.undo)
             self._book.host_step = None  # the step counts went back, or are the peer's
             return self._run_in_round(joined, False)
-        for moving, bucket in zip(stepping, buckets):  # the quorum's hyperparameters: a heal may have moved them on
-            moving.group = dict(bucket.group)
-        self._exchange(stepping, payloads, grad_bytes, ctx, self.topology, undo, True, True)
+        for moving, bucket in zip(encoded.buckets, buckets):  # the quorum's hyperparameters: a heal may have moved
+            moving.group = dict(bucket.group)  # them on
+        encoded.ctx = ctx
+        self._send(encoded)
         return ctx.replicate
 
     def _enter_round(self, sync_only: bool) -> StepRound | None:

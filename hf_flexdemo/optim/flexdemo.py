@@ -51,7 +51,7 @@ from ..updates import (
 )
 from ..wire import CommStats, nbytes
 from .counters import COUNTERS, ByteCounters
-from .in_flight import InFlight, split_received, start_exchange
+from .in_flight import EncodedStep, InFlight, split_received, start_exchange
 
 logger = logging.getLogger(__name__)
 
@@ -257,11 +257,23 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
                 self._simulated.check([slot.state.param for bucket in buckets for slot in bucket.slots])
             self.flush()  # overlap: the previous step's update lands before this step's local maths
             self._count_step(buckets)
-        # Steps still to replay count: the step number picks random's entries and replicate_every's exchanges,
-        # which every replica of the quorum must pick alike.
-        step = self._steps_taken() + self._steps_to_replay()
         if sync_only and not joined.in_quorum and not self._needs_sync():
             return False
+        encoded = self._encode_step(buckets, sync_only, topology, joined.in_quorum, joined.drop_gradient)
+        self._send(encoded)
+        return encoded.ctx.replicate
+
+    def _this_step(self) -> int:
+        """The step number the replicas pick alike (random's entries, replicate_every's exchanges): steps still
+        to replay count."""
+        return self._steps_taken() + self._steps_to_replay()
+
+    def _encode_step(
+        self, buckets: list[Bucket], sync_only: bool, topology: ReplicaTopology, in_quorum: bool, drop_gradient: bool
+    ) -> EncodedStep:
+        """The step's local part, which every path runs: what undoes it (``in_quorum``), weight decay where it
+        cannot wait, and each bucket's local maths and payload."""
+        step = self._this_step()
         ctx = self._context(step, sync_only, topology)
         stepping = [bucket.for_step() for bucket in buckets]
         grads = None  # this process's .grad
@@ -275,12 +287,11 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         # the parameters, nor with overlap (the rules run at the next step, after its forward).
         overlapped = self.config.overlap and ctx.replicate and not sync_only
         decay_in_rules = not sync_only and not self.scheme.moves_parameters_locally and not overlapped
-        undo = self._snapshot(stepping, not sync_only, with_params=not decay_in_rules) if joined.in_quorum else None
+        undo = self._snapshot(stepping, not sync_only, with_params=not decay_in_rules) if in_quorum else None
         if not sync_only and not decay_in_rules:
             self._decay(stepping)
-        payloads, grad_bytes = self._local_steps(stepping, ctx, sync_only, joined.drop_gradient, grads)
-        self._exchange(stepping, payloads, grad_bytes, ctx, topology, undo, decay_in_rules, not sync_only)
-        return ctx.replicate
+        payloads, grad_bytes = self._local_steps(stepping, ctx, sync_only, drop_gradient, grads)
+        return EncodedStep(stepping, payloads, grad_bytes, ctx, topology, undo, decay_in_rules, not sync_only)
 
     def _run_other_replicas(
         self, stepping: list[Bucket], step: int, sync_only: bool
@@ -318,23 +329,19 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
             bucket.scalars("step", torch.int64).add_(1)
         self._book.host_step = taken + 1
 
-    def _exchange(
-        self,
-        stepping: list[Bucket],
-        payloads: list[list[torch.Tensor]],
-        grad_bytes: list[int],
-        ctx: StepContext,
-        topology: ReplicaTopology,
-        undo: list | None,
-        decay_in_rules: bool,
-        training: bool,
-    ) -> None:
+    def _send(self, step: EncodedStep) -> None:
         """Send the payloads; apply what comes back now, or at the next step with ``overlap``."""
-        overlap = self.config.overlap and ctx.replicate and training
+        overlap = self.config.overlap and step.ctx.replicate and step.training
         in_flight = start_exchange(
-            self.scheme.collective, stepping, payloads, grad_bytes, ctx, async_op=overlap, topology=topology
+            self.scheme.collective,
+            step.buckets,
+            step.payloads,
+            step.grad_bytes,
+            step.ctx,
+            async_op=overlap,
+            topology=step.topology,
         )
-        in_flight.undo, in_flight.decay_in_rules, in_flight.training = undo, decay_in_rules, training
+        in_flight.undo, in_flight.decay_in_rules, in_flight.training = step.undo, step.decay_in_rules, step.training
         if overlap:
             self._pending = in_flight
         else:

@@ -40,6 +40,20 @@ class InFlight:
     """A training step, not a ``synchronize()`` round."""
 
 
+@dataclass
+class EncodedStep:
+    """One step's local part, done: every bucket's payload, ready for the exchange (:meth:`FlexDeMo._send`)."""
+
+    buckets: list[Bucket]
+    payloads: list[list[torch.Tensor]]
+    grad_bytes: list[int]
+    ctx: StepContext
+    topology: ReplicaTopology
+    undo: list | None
+    decay_in_rules: bool
+    training: bool
+
+
 def start_exchange(
     collective: Collective,
     buckets: list[Bucket],
