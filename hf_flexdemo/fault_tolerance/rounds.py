@@ -119,7 +119,7 @@ class QuorumRounds(ClosingRounds, ReplicaState):
             return self._run_in_round(joined, False)
         for moving, bucket in zip(encoded.buckets, buckets):  # the quorum's hyperparameters: a heal may have moved
             moving.group = dict(bucket.group)  # them on
-        encoded.ctx = ctx
+        encoded.ctx, encoded.topology = ctx, self.topology  # the quorum's, now that it is known
         self._send(encoded)
         return ctx.replicate
 
