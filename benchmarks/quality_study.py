@@ -129,6 +129,10 @@ WIRE_PROBES = {
     "derived_c128_d448_top1_1bit": (
         "derived_topk=448,topk=1,chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
     ),
+    # Fewer derived, a larger top-k beside them (about 505 bits a 128 x 128 tile)
+    "derived_c128_d256_top12_1bit": (
+        "derived_topk=256,topk=12,chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
+    ),
     # About wire=2bit's bytes (372 bits a tile against its 384): 256 derived at 1 bit and the top 4
     "derived_c64_d256_top4_1bit": "derived_topk=256,topk=4,value_bits=1,pack_indices=true,index_coding=elias_fano",
 }
