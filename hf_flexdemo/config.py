@@ -119,7 +119,13 @@ class FlexDeMoConfig:
     value_dtype: str = field(
         default="param", metadata={"help": "dtype of values on the wire: 'param', 'bf16', 'fp16' or 'fp32'."}
     )
-    scheme: str = field(default="demo", metadata={"help": "Replication scheme: 'demo' (the default), 'random', 'striding', 'diloco', 'sparseloco', 'full' or 'none'."})
+    scheme: str = field(
+        default="demo",
+        metadata={
+            "help": "Replication scheme: 'demo' (the default), 'random', 'striding', 'diloco', 'sparseloco', 'full' "
+            "or 'none'."
+        },
+    )
     replicate_every: int = field(
         default=1, metadata={"help": "Per-step schemes: replicate every N optimizer steps, accumulate in between."}
     )

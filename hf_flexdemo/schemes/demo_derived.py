@@ -140,9 +140,11 @@ class DerivedIndexDeMoScheme(DeMoScheme):
         weights = self.expected_magnitudes(bucket, at, derived.shape)
         derived_sent, derived_read = self.encode_values(flat[at].view(derived.shape), weights, wire_dtype, ctx)
         flat.index_add_(0, at, derived_read.reshape(-1).to(q.dtype), alpha=-1.0)
-        outside = q.clone()
-        outside.view(-1)[at] = 0.0  # the top-k looks only where the derived set did not
-        indices, values = select_topk(outside, plan)
+        # The top-k looks only where the derived set did not: their residuals leave Q while it picks (no copy of Q).
+        residuals = flat[at]
+        flat[at] = 0.0
+        indices, values = select_topk(q, plan)
+        flat[at] = residuals
         sent, read = self.wire.encode(indices, values, plan, wire_dtype, generator=ctx.noise)
         flat.index_add_(0, flat_positions(indices, plan), read.reshape(-1).to(q.dtype), alpha=-1.0)
         bucket.carried = (plan, derived, weights)
@@ -158,8 +160,8 @@ class DerivedIndexDeMoScheme(DeMoScheme):
         dtype = self.momentum(bucket).dtype
         split = 2 if self.config.value_bits else 1
         # Every replica sent the whole derived set: its mean is a plain mean, added in replica order.
-        derived_part = (derived, sum(self.read_values(part[:split], derived_plan, weights).to(dtype) for part in received))
-        update = decode_replicas([derived_part], derived_plan, "mean", dtype).view(-1).div_(len(received))
+        total = sum(self.read_values(part[:split], derived_plan, weights).to(dtype) for part in received)
+        update = decode_replicas([(derived, total / len(received))], derived_plan, "mean", dtype).view(-1)
         parts = [self.wire.read(part[split:], plan) for part in received]
         update += decode_replicas(parts, plan, self.config.decode, dtype).view(-1)
         self.score(bucket).view(-1).mul_(SCORE_DECAY).add_(update.abs())
