@@ -37,25 +37,25 @@ section_kernels() {
 # The optimizer step: OLMo2-1B's and T5-small's shapes, bf16, against fused AdamW and the model's own forward and
 # backward on the same GPU; state, peak memory and one profiled step per configuration, torch and Triton kernels.
 section_step() {
-  timeout 240 python benchmarks/gpu_step.py --model olmo2-1b --steps 3 --repeats 5 --profile --fwd_bwd \
+  timeout 240 python benchmarks/step/gpu_step.py --model olmo2-1b --steps 3 --repeats 5 --profile --fwd_bwd \
     >"$OUT/gpu_step_olmo2.txt" 2>&1
 }
 
 section_step_t5() {
-  timeout 60 python benchmarks/gpu_step.py --model t5-small --profile --fwd_bwd --batch 32 --seq 512 \
+  timeout 60 python benchmarks/step/gpu_step.py --model t5-small --profile --fwd_bwd --batch 32 --seq 512 \
     >"$OUT/gpu_step_t5.txt" 2>&1
 }
 
 # One rank of a node of 8 on this GPU: FSDP2's shards, the Newton-Schulz of the matrices this rank owns, the forward
 # and backward (the in-node all-to-alls are not timed; their bytes are printed).
 section_node() {
-  timeout 120 python benchmarks/gpu_step.py --model olmo2-1b --node_of 8 --fwd_bwd --steps 3 --repeats 5 \
+  timeout 120 python benchmarks/step/gpu_step.py --model olmo2-1b --node_of 8 --fwd_bwd --steps 3 --repeats 5 \
     >"$OUT/gpu_step_olmo2_node_of_8.txt" 2>&1
 }
 
 # The NCCL path: the same step as one rank of an NCCL process group (one GPU: one rank).
 section_nccl() {
-  timeout 90 torchrun --standalone --nproc-per-node 1 benchmarks/gpu_step.py --model t5-small --steps 2 --repeats 2 \
+  timeout 90 torchrun --standalone --nproc-per-node 1 benchmarks/step/gpu_step.py --model t5-small --steps 2 --repeats 2 \
     >"$OUT/gpu_step_t5_nccl.txt" 2>&1
 }
 
@@ -97,14 +97,14 @@ section_ft() {
 
 # The loss at about 125M parameters (issue 44): AdamW-HSDP, the default and the wire presets 2bit and top128_4bit,
 # 2 replicas simulated in one process, 1,000 steps, each side's rate swept on seed 0, then seed 1 at the winner.
-# The study is resumable: carry benchmarks/results/quality_olmo2_125m (its runs.json) and finished runs are not
+# The study is resumable: carry benchmarks/results/quality/quality_olmo2_125m (its runs.json) and finished runs are not
 # repeated. --time_budget starts no run after 4 minutes (a run is estimated at 1 to 2 minutes there, not yet
 # measured), so that one call ends within the device tool's 10 minutes. A dry run of every configuration on a tiny
 # model comes first and stops the section if the pipeline is broken.
 section_scale() {
-  local study=benchmarks/results/quality_olmo2_125m
-  timeout 180 python benchmarks/quality_study.py --model olmo2_125m --dry_run >"$OUT/scale_dry_run.txt" 2>&1 || return
-  timeout 500 python benchmarks/quality_study.py --model olmo2_125m --steps 1000 --seeds 0 1 --time_budget 240 \
+  local study=benchmarks/results/quality/quality_olmo2_125m
+  timeout 180 python benchmarks/quality/quality_study.py --model olmo2_125m --dry_run >"$OUT/scale_dry_run.txt" 2>&1 || return
+  timeout 500 python benchmarks/quality/quality_study.py --model olmo2_125m --steps 1000 --seeds 0 1 --time_budget 240 \
     --out "$study" >"$OUT/scale.txt" 2>&1
   mkdir -p "$OUT/quality_olmo2_125m" && cp "$study"/runs.json "$study"/table.md "$study"/*.png "$OUT/quality_olmo2_125m/"
 }

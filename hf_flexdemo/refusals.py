@@ -23,7 +23,7 @@ the launcher's run id and process, remembers what the rounds before said).
 
 A hook installed after ours that prints a traceback before handing on (wandb's, at
 ``wandb.init``) gets ours on top again (:func:`install`, called again when the Trainer is
-built and at each step); a refusal still reaches it, with its output dropped, so that wandb
+built and at the first step of each training run, after the reporting callbacks started); a refusal still reaches it, with its output dropped, so that wandb
 marks the run failed.
 
 Every other uncaught error keeps its traceback, and ``HF_FLEXDEMO_TRACEBACK=1`` gives the

@@ -666,7 +666,7 @@ def copy_state(opt) -> dict:
     """Every state tensor as bytes, comparable with ==."""
     return {
         (i, key): value.detach().clone().numpy().tobytes()
-        for i, p in enumerate(opt._ordered_params())
+        for i, p in enumerate(p for group in opt.param_groups for p in group["params"])
         for key, value in opt.state[p].items()
         if hasattr(value, "numpy")
     }
@@ -760,7 +760,7 @@ def lagging_pair(settings: dict, replay_steps: int | None = None, missed: int = 
             opt.step()
             opt.param_groups[0]["lr"] *= 0.9  # a scheduler: each replayed step takes its own rate
     peer.synchronize()  # a save or an evaluation: a round that is not a training step
-    node._managed.steps_before_quorum = node._managed.step
+    node.managed.steps_before_quorum = node.managed.step
     return peer, node, peer_params, mine
 
 
@@ -769,21 +769,22 @@ def lagging_pair(settings: dict, replay_steps: int | None = None, missed: int = 
 def test_a_node_that_missed_steps_replays_their_payloads_and_ends_bitwise_equal(settings):
     peer, node, peer_params, mine = lagging_pair(settings)
     served = peer.replica_state()
-    missed = list(range(3, peer._managed.step + 1))
+    missed = list(range(3, peer.managed.step + 1))
     assert "params" not in served and [step.committed for step in served["replay"]] == missed
     node.load_replica_state(served)
-    node._managed.step = peer._managed.step  # as torchft's heal sets it
-    assert node._managed.caught_up[0] == len(missed) and node._managed.caught_up[1] > 0
+    node.managed.step = peer.managed.step  # as torchft's heal sets it
+    assert node.managed.caught_up[0] == len(missed) and node.managed.caught_up[1] > 0
     assert not all(torch.equal(a, b) for a, b in zip(mine, peer_params))  # applied at the node's next commit
     node.synchronize()  # a round that exchanges nothing: the commit replays the missed steps
     assert all(torch.equal(a, b) for a, b in zip(mine, peer_params))
-    keep = node._shared_keys()
+    keep = node.quorum.replica.shared_keys()
     for p, q in zip(mine, peer_params):
         for key in keep:
             if key in peer.state[q]:
                 assert torch.equal(node.state[p][key], peer.state[q][key]), key
     assert node.param_groups[0]["lr"] == peer.param_groups[0]["lr"]
-    assert [step.committed for step in node._replay._steps][-2:] == [missed[-1], missed[-1] + 1]  # it serves on
+    served_on = [step.committed for step in node.quorum.replica.replay._steps][-2:]
+    assert served_on == [missed[-1], missed[-1] + 1]  # it serves on
 
 
 ENCODES_FIRST = dict(scheme="demo", value_bits=2)
@@ -797,8 +798,8 @@ def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_
     """The closing round: the peer finished training; the node's step catches up and sends nothing."""
     peer, node, peer_params, mine = lagging_pair(settings | {"join_quorum": "when_ready"})
     node.load_replica_state(peer.replica_state())
-    node._managed.step = peer._managed.step
-    node._managed.finished = True  # what the finished peer serves under ROUND_STATE_KEY
+    node.managed.step = peer.managed.step
+    node.managed.finished = True  # what the finished peer serves under ROUND_STATE_KEY
     momentum = [node.state[p]["momentum_dct"].clone() for p in mine]
     for p, g in zip(mine, _grads(9, mine)):
         p.grad = g
@@ -806,8 +807,8 @@ def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_
     assert all(torch.equal(a, b) for a, b in zip(mine, peer_params))
     assert all(int(node.state[p]["step"]) == int(peer.state[q]["step"]) for p, q in zip(mine, peer_params))
     assert all(torch.equal(node.state[p]["momentum_dct"], m) for p, m in zip(mine, momentum))  # gradient dropped
-    assert node._managed.compared == int(parameter_fingerprint(mine))  # the round compares the nodes' parameters
-    assert not node._managed.behind_at_close
+    assert node.managed.compared == int(parameter_fingerprint(mine))  # the round compares the nodes' parameters
+    assert not node.managed.behind_at_close
 
 
 @pytest.mark.unit
@@ -816,7 +817,7 @@ def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_
 def test_a_gradient_taken_before_a_catch_up_counts_only_for_a_node_that_joins_when_ready(join_quorum, settings):
     peer, node, _, mine = lagging_pair(settings | {"join_quorum": join_quorum})
     node.load_replica_state(peer.replica_state())
-    node._managed.step = peer._managed.step
+    node.managed.step = peer.managed.step
     decay = node.param_groups[0]["decay"]
     decayed = [node.state[p]["momentum_dct"] * decay for p in mine]
     for p, g in zip(mine, _grads(9, mine)):
@@ -833,15 +834,15 @@ def test_a_node_that_encodes_first_and_heals_as_it_joins_steps_at_the_quorums_le
     """Its payload was encoded at its own rate; the heal in its join brings the peers' (a scheduler ahead), and
     the step applies, decays and logs for replay at that one, as every node of the quorum does."""
     peer, node, peer_params, mine = lagging_pair(ENCODES_FIRST | {"join_quorum": "when_ready"})
-    served, begin = peer.replica_state(), node._managed.begin
+    served, begin = peer.replica_state(), node.managed.begin
 
     def heal_while_joining() -> bool:
         node.load_replica_state(served)
-        node._managed.step = peer._managed.step
+        node.managed.step = peer.managed.step
         begin()
         return True
 
-    node._managed.begin = heal_while_joining
+    node.managed.begin = heal_while_joining
     assert node.param_groups[0]["lr"] != peer.param_groups[0]["lr"]
     applied = []
     apply_rules = node._apply_rules
@@ -851,7 +852,7 @@ def test_a_node_that_encodes_first_and_heals_as_it_joins_steps_at_the_quorums_le
     node.step()
     lr = peer.param_groups[0]["lr"]
     assert applied[-1] == {lr}, (applied, lr)  # after the replayed steps, each at its own rate
-    assert node._replay._steps[-1].groups[0]["lr"] == lr  # what a peer of this node would replay
+    assert node.quorum.replica.replay._steps[-1].groups[0]["lr"] == lr  # what a peer of this node would replay
 
 
 @pytest.mark.unit
@@ -891,7 +892,7 @@ def test_a_node_with_steps_to_replay_numbers_its_next_step_as_its_peers_do():
     """random picks its entries by step number: a node still to replay must pick the peers' entries."""
     peer, node, peer_params, mine = lagging_pair(REPLAYED["random"])
     node.load_replica_state(peer.replica_state())
-    node._managed.step = peer._managed.step
+    node.managed.step = peer.managed.step
     steps = {}
     for name, opt, params in (("peer", peer, peer_params), ("node", node, mine)):
         local_step = opt.scheme.local_step
@@ -912,7 +913,7 @@ def test_a_node_further_behind_than_replay_steps_copies_the_whole_state():
     assert "replay" not in served and "params" in served
     node.load_replica_state(served)
     assert all(torch.equal(a, b) for a, b in zip(mine, peer_params))
-    assert node._managed.copied > 0 and node._managed.caught_up is None
+    assert node.managed.copied > 0 and node.managed.caught_up is None
 
 
 @pytest.mark.unit
@@ -924,5 +925,5 @@ def test_scheme_full_copies_the_state_since_one_step_of_it_is_a_copy():
 @pytest.mark.unit
 def test_a_new_node_copies_the_whole_state_even_when_the_steps_are_held():
     peer, _, _, _ = lagging_pair(REPLAYED["demo"], missed=1)
-    peer._managed.healing = [0]  # it never committed a step of this job: its parameters are not the job's
+    peer.managed.healing = [0]  # it never committed a step of this job: its parameters are not the job's
     assert "params" in peer.replica_state()

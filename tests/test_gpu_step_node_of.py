@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_step.py --node_of N``: one rank's shards and owned matrices, from shapes alone (meta tensors).
+"""``benchmarks/step/gpu_step.py --node_of N``: one rank's shards and owned matrices, from shapes alone (meta tensors).
 
 The GPU timing itself needs a GPU; what it times is decided here, on CPU: the FSDP2 shard shapes and
 the whole matrices each rank orthogonalizes under the owner split of ``deal_owners``.
@@ -13,7 +13,7 @@ import pytest
 import torch
 from support.launch import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "step"))
 
 from gpu_step import build_model, node_shard_plan  # noqa: E402
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 from support.launch import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "link"))
 
 from link_benchmark import run_one  # noqa: E402
 from netns import NamespacePair, unavailable_reason  # noqa: E402

@@ -7,7 +7,7 @@ import sys
 import pytest
 from support.launch import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "quality"))
 
 from quality_study import CONFIGS, PRESETS, SWEEPS, modelled_step, summarize  # noqa: E402
 

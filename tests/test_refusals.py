@@ -126,7 +126,7 @@ WANDB_THEN_REFUSED = """
 import sys, torch, wandb, hf_flexdemo
 from hf_flexdemo import refusals
 wandb.init(mode="offline", dir=sys.argv[1], project="refusals")  # puts its excepthook above ours
-refusals.install()  # what the Trainer glue does at each step
+refusals.install()  # what the Trainer glue does at a run's first step
 hf_flexdemo.FlexDeMo([torch.nn.Parameter(torch.zeros(4))], topk=0)
 """
 
@@ -159,3 +159,20 @@ def test_a_hook_put_above_ours_still_hears_a_refusal_but_prints_nothing(monkeypa
     sys.excepthook(type(error), error, error.__traceback__)
     printed = capsys.readouterr().err
     assert heard == [error] and "Traceback" not in printed and printed.count("hf_flexdemo refused this run") == 1
+
+
+def test_the_trainer_callback_puts_the_hook_back_on_top_once_a_run(monkeypatch):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from hf_flexdemo import refusals
+    from hf_flexdemo.integrations.callback import FlexDeMoCallback
+
+    calls = []
+    monkeypatch.setattr(refusals, "install", lambda: calls.append(1))
+    callback, args = FlexDeMoCallback(), TrainingArguments("unused", use_cpu=True, report_to="none")
+    state, control = TrainerState(), TrainerControl()
+    for _ in range(2):  # two training runs of one Trainer
+        callback.on_train_begin(args, state, control, optimizer=None)
+        for _ in range(3):
+            callback.on_step_begin(args, state, control)
+    assert len(calls) == 2  # at each run's first step (after wandb.init in the reporters' on_train_begin)

@@ -11,8 +11,6 @@ import torch
 from support.launch import TESTS_DIR, torchrun
 from workers.simulation_worker import CONFIGS, adamw, train
 
-from hf_flexdemo import FlexDeMo
-
 pytestmark = pytest.mark.multiprocess
 
 

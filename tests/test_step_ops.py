@@ -1,6 +1,6 @@
 """A step's work grows with its buckets, not its tensors: operations counted on CPU (a GPU launch each).
 
-The counts come from ``benchmarks/step_ops.py`` (``torch.profiler``), on OLMo2's layout at a small
+The counts come from ``benchmarks/step/step_ops.py`` (``torch.profiler``), on OLMo2's layout at a small
 width; BENCHMARKS.md lists them at 16 layers. Counts, not times: they do not depend on the machine.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from support.launch import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "step"))
 
 from step_ops import CONFIGS, flexdemo_step_counts, olmo2_shapes, summarize  # noqa: E402
 
@@ -78,9 +78,8 @@ def test_the_count_sees_per_tensor_work():
 
 def test_a_batched_product_is_one_kernel_whatever_the_cpu_kernel_does_beneath():
     """On this CPU a float16 bmm loops over the batch underneath (as bf16 does on a CPU with AVX2 only): still one."""
-    from torch.profiler import ProfilerActivity, profile
-
     from step_ops import step_op_counts
+    from torch.profiler import ProfilerActivity, profile
 
     a, b = torch.randn(8, 16, 16, dtype=torch.float16), torch.randn(8, 16, 16, dtype=torch.float16)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -92,8 +91,9 @@ def test_a_batched_product_is_one_kernel_whatever_the_cpu_kernel_does_beneath():
 
 def test_the_default_rule_takes_newton_schulzs_dtype_from_the_device_policy(newton_schulz_arithmetic, monkeypatch):
     """The fixture above reaches the rule: a step iterates in the dtype forced."""
-    from hf_flexdemo.updates import orthogonal
     from step_ops import CONFIGS, FlexDeMo
+
+    from hf_flexdemo.updates import orthogonal
 
     seen, iterate = [], orthogonal.newton_schulz
     monkeypatch.setattr(orthogonal, "newton_schulz", lambda m, **kw: seen.append(kw["dtype"]) or iterate(m, **kw))

@@ -1,4 +1,4 @@
-"""Bytes a step reads and writes per parameter, counted on CPU by ``benchmarks/step_traffic.py``'s dispatch mode.
+"""Bytes a step reads and writes per parameter, counted on CPU by ``benchmarks/step/step_traffic.py``'s dispatch mode.
 
 The counter is checked on hand-made operations and on fused AdamW, whose traffic is known; then the
 torch path of ``update="sign"`` is held to a budget, and the fused path (``kernels="triton"``) of ``sign``
@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from support.launch import REPO_ROOT  # noqa: E402
 
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "step"))
 
 from step_traffic import (  # noqa: E402
     CONFIGS,

@@ -445,11 +445,11 @@ def test_nodes_that_would_iterate_in_different_dtypes_do_not_fit_one_job(monkeyp
     for fast in (True, False):
         monkeypatch.setattr(orthogonal, "multiplies_bf16_fast", lambda device, fast=fast: fast)
         opt = FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal"}, elementwise=[])
-        described[fast] = opt._describe_layout()["settings"]["ns_dtype"]
+        described[fast] = opt.quorum.replica.describe_layout()["settings"]["ns_dtype"]
     assert described[True] != described[False]
     assert "bf16" in described[True] and "float32" in described[False] and "set ns_dtype=" in described[False]
     opt = FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal", "ns_dtype": "float32"}, elementwise=[])
-    assert opt._describe_layout()["settings"]["ns_dtype"] == "float32"
+    assert opt.quorum.replica.describe_layout()["settings"]["ns_dtype"] == "float32"
 
 
 def orthogonal_step(update, dtype):

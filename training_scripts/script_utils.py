@@ -428,10 +428,10 @@ def print_summary(trainer: Trainer, metrics: dict[str, float], headline: Sequenc
     replicas = getattr(unwrap_flexdemo(trainer.optimizer), "managed", None)  # None: not FlexDeMo, or no optimizer
     if replicas is not None:
         print(f"   quorum of live nodes: {replicas.membership_story()}")
-        if replicas.catch_up_story():
-            print(f"   behind and caught up: {replicas.catch_up_story()}")
-        if replicas.sit_out_story():
-            print(f"   sat out: {replicas.sit_out_story()}")
+        if replicas.healing.catch_up_story():
+            print(f"   behind and caught up: {replicas.healing.catch_up_story()}")
+        if replicas.sit_out.story():
+            print(f"   sat out: {replicas.sit_out.story()}")
         if replicas.quorum_wait_story():
             print(f"   waits for a quorum: {replicas.quorum_wait_story()}")
 

@@ -32,7 +32,8 @@ One idea per module:
 - :mod:`.replica_state` and :mod:`.replay`: the optimizer's side of healing, by copy or by replay, and of
   undoing a step;
 - :mod:`.closing`: the end of a job (closing rounds);
-- :mod:`.rounds`: the optimizer's side of each round (a mixin of :class:`~hf_flexdemo.FlexDeMo`);
+- :mod:`.rounds`: the optimizer's side of each round (:class:`~.rounds.QuorumRounds`, a part of
+  :class:`~hf_flexdemo.FlexDeMo`), and :mod:`.pipeline`: what it uses of the optimizer;
 - :mod:`.collectives`: the exchange's collectives on the quorum's process group;
 - :mod:`.lighthouse`: the Lighthouse client.
 """

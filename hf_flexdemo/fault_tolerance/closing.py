@@ -5,7 +5,7 @@ others to leave, it would commit a last step of its own. So a node that finished
 (:meth:`JobEnd.close`) and joins a closing round whenever one waits at the Lighthouse. Nothing is
 exchanged in it: the late node heals from a finished one, learns from it that the job has finished
 (:data:`ROUND_STATE_KEY`), catches up, drops its own last gradient, and every node of the round
-compares parameter checksums (:class:`ClosingRounds`, the optimizer's side). A node that still
+compares parameter checksums (:meth:`.rounds.QuorumRounds.finish_training`, the optimizer's side). A node that still
 ends apart says so in one line (:func:`ending_note`).
 """
 
@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from ..config import FlexDeMoConfig
-from ..topology import parameter_fingerprint
 from .lighthouse import node_of, read_lighthouse
 from .node import FaultToleranceError, NodeIdentity
 
@@ -191,39 +190,3 @@ def ending_note(
         "may hold other parameters: take the job's final model from a node whose summary line 'quorum of live "
         "nodes' ends in the largest quorum."
     )
-
-
-class ClosingRounds:
-    """The optimizer's end of a job under torchft (a mixin of :class:`~hf_flexdemo.FlexDeMo`: it reads its quorum,
-    its replay log and its parameters)."""
-
-    def finish_training(self) -> None:
-        """Under torchft with ``join_quorum='when_ready'``: call once after the last step (the Trainer does).
-
-        The node stays while a live node is still on its last step, so that the late one catches up and every
-        node ends on the same parameters (:meth:`~hf_flexdemo.fault_tolerance.ManagedReplicas.close`).
-        """
-        if self._managed is not None and self.config.join_quorum == "when_ready":
-            self.flush()
-            self._managed.close(self._closing_round)
-
-    def _closing_round(self) -> bool:
-        """A round after the job's last step: nothing is sent; late nodes catch up, then every node compares.
-        Returns whether it committed (if not, this node has not caught up yet)."""
-        committed = self._empty_round()
-        self._managed.behind_at_close = not committed
-        if not committed:
-            return False
-        params = [p for group in self.param_groups for p in group["params"]]
-        prints = self._managed.fingerprints_of_leaders(parameter_fingerprint(params), closing=True)
-        differ = torch.tensor([int(len(set(prints)) > 1)], device=self._managed.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # every process of the node stops, or none
-            dist.all_reduce(differ, op=dist.ReduceOp.MAX)
-        if differ.item():
-            raise RuntimeError(
-                f"FlexDeMo fault tolerance: the nodes end training with different parameters (checksums on this "
-                f"process's shard: {prints}) although the late ones caught up: the nodes split (a node trained steps "
-                "the others did not see) or a kernel is not deterministic. Each node's last checkpoint is whole; take "
-                "the one of the node that trained in the largest quorums."
-            )
-        return True

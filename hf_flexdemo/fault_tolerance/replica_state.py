@@ -16,36 +16,50 @@ import torch.distributed as dist
 
 from ..buckets import Bucket
 from ..dtensor_utils import local_tensor
-from ..schemes.base import StepContext
-from ..state_store import StateView
-from ..topology import ReplicaTopology
+from ..schemes.base import ReplicationScheme, StepContext
 from ..updates.orthogonal import newton_schulz_dtype
-from .replay import LoggedStep, map_tensors
+from .pipeline import StepPipeline
+from .replay import LoggedStep, ReplayLog, map_tensors
 
 
 class ReplicaState:
-    """FlexDeMo's healing and undo (a mixin: it reads the optimizer's scheme, rules, state and groups)."""
+    """The optimizer's state as peers exchange it: a healing node's copy or replay, and this node's catch-up.
+
+    ``pipeline`` is the optimizer (read through :class:`~.pipeline.StepPipeline`); ``replay_steps``: how many
+    committed steps it keeps for lagging peers (0: none). ``managed`` is the node's
+    :class:`~.replicas.ManagedReplicas` once the optimizer is attached to a quorum.
+    """
+
+    def __init__(self, pipeline: StepPipeline, replay_steps: int):
+        self.pipeline: StepPipeline = pipeline
+        self.managed = None
+        self.replay = ReplayLog(replay_steps)
+        """The last committed steps, which a lagging peer may replay."""
+        self.missed: list[LoggedStep] | None = None
+        """Steps this node missed, replayed at its next commit."""
 
     def _ordered_params(self) -> list[torch.Tensor]:
-        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        return [p for group in self.pipeline.param_groups for p in group["params"] if p.requires_grad]
 
-    def _shared_keys(self) -> tuple[str, ...]:
-        return ("step", *self.scheme.shared_keys, *(key for rule in self.rules.values() for key in rule.state_keys))
+    def shared_keys(self) -> tuple[str, ...]:
+        """The state entries every replica holds alike: what a healing node copies."""
+        rules = self.pipeline.rules.values()
+        return ("step", *self.pipeline.scheme.shared_keys, *(key for rule in rules for key in rule.state_keys))
 
-    def replica_state(self) -> dict[str, Any]:
+    def serve(self) -> dict[str, Any]:
         """What a peer that is behind needs, as copies: the groups' hyperparameters (the lr a scheduler has set),
         and either the steps it missed, to replay (see :mod:`.replay`), or the parameters, step counts and the
         scheme's and rules' shared state."""
-        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.pipeline.param_groups]
         missed = self._steps_missed_by_healing_peers()
         if missed is not None:
             return {"groups": groups, "replay": missed}
-        keep = self._shared_keys()
+        keep, state = self.shared_keys(), self.pipeline.state
         return {
             "groups": groups,
             "params": [local_tensor(p).detach().clone() for p in self._ordered_params()],
             "state": [
-                {k: local_tensor(v).clone() for k, v in self.state.get(p, {}).items() if k in keep}
+                {k: local_tensor(v).clone() for k, v in state.get(p, {}).items() if k in keep}
                 for p in self._ordered_params()
             ],
         }
@@ -56,14 +70,14 @@ class ReplicaState:
         A node with no committed step (new, or relaunched without a checkpoint) holds none of the job's state:
         it copies the whole state.
         """
-        if not len(self._replay):
+        if not len(self.replay):
             return None
-        behind = self._managed.healing_steps()
+        behind = self.managed.healing_steps()
         if not behind or min(behind) == 0:
             return None
         # Decided from what every process of this node sees alike (the Lighthouse's page, the steps held), so
         # all of a healing node's processes replay, or none.
-        missed = self._replay.since(min(behind), self._managed.step)
+        missed = self.replay.since(min(behind), self.managed.step)
         if missed is None:
             return None
         # Received payloads are typed views of one byte buffer, which torch.save refuses: each travels as its own.
@@ -74,80 +88,85 @@ class ReplicaState:
             for step in missed
         ]
 
-    def _logged(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext, trained: bool) -> LoggedStep:
-        """This committed step, as a lagging peer would replay it."""
-        return LoggedStep(
-            committed=self._managed.step,
-            ctx=dataclasses.replace(ctx, noise=None),
-            groups=[{k: v for k, v in bucket.group.items() if k != "params"} for bucket in buckets],
-            carried=[bucket.carried for bucket in buckets],
-            parts=parts,
-            trained=trained,
+    def log(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext, *, trained: bool) -> None:
+        """Keep this committed step, as a lagging peer would replay it."""
+        self.replay.record(
+            LoggedStep(
+                committed=self.managed.step,
+                ctx=dataclasses.replace(ctx, noise=None),
+                groups=[{k: v for k, v in bucket.group.items() if k != "params"} for bucket in buckets],
+                carried=[bucket.carried for bucket in buckets],
+                parts=parts,
+                trained=trained,
+            )
         )
 
-    def _replica_state_nbytes(self) -> int:
+    def log_empty_round(self) -> None:
+        """Keep a committed round that exchanged nothing (the parameters did not move)."""
+        self.replay.record(LoggedStep(self.managed.step, None, [], [], [], trained=False))
+
+    def nbytes(self) -> int:
         """What copying the whole state moves to this process: its parameter shards and their shared state."""
-        keep = self._shared_keys()
+        keep, state = self.shared_keys(), self.pipeline.state
         tensors = [local_tensor(p) for p in self._ordered_params()] + [
-            local_tensor(v) for p in self._ordered_params() for k, v in self.state.get(p, {}).items() if k in keep
+            local_tensor(v) for p in self._ordered_params() for k, v in state.get(p, {}).items() if k in keep
         ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.no_grad()
-    def load_replica_state(self, peer: dict[str, Any]) -> None:
+    def take(self, peer: dict[str, Any]) -> None:
         """Take a peer's parameters and shared state, or the steps to replay; this replica's own momentum stays
         (see fault_tolerance)."""
-        self._pending = None
+        pipeline = self.pipeline
+        pipeline.drop_pending()
         if "replay" in peer:
             self._take_missed_steps(peer)
             return
-        self._missed = None  # the whole state supersedes any steps still to replay
-        if self._managed is not None:
-            self._managed.note_copy(self._replica_state_nbytes())
-        if self._store is None:  # not attached yet: each node keeps its own state layout
-            self._set_topology(ReplicaTopology.single())
-        for group, saved in zip(self.param_groups, peer["groups"]):
+        self.missed = None  # the whole state supersedes any steps still to replay
+        if self.managed is not None:
+            self.managed.note_copy(self.nbytes())
+        for group, saved in zip(pipeline.param_groups, peer["groups"]):
             group.update(saved)
         for p, value, state in zip(self._ordered_params(), peer["params"], peer["state"]):
             local_tensor(p).data.copy_(value)
-            mine = StateView(self._store, p, local_tensor(p), self.state[p])
+            mine = pipeline.state_view(p)
             for key, peer_value in state.items():
-                if key in self.state[p]:
-                    local_tensor(self.state[p][key]).copy_(peer_value)
+                if key in mine:
+                    local_tensor(mine.raw[key]).copy_(peer_value)
                 elif peer_value.shape == local_tensor(p).shape:  # laid out like the parameter
                     mine.shared(key, lambda v=peer_value: v.clone())
                 else:  # a count
-                    self.state[p][key] = peer_value.clone()
-            self.scheme.healed(local_tensor(p), mine)
-        self._book.stale = True
+                    mine.raw[key] = peer_value.clone()
+            pipeline.scheme.healed(local_tensor(p), mine)
+        pipeline.forget_buckets()
 
     def _take_missed_steps(self, peer: dict[str, Any]) -> None:
         """Keep a peer's logged steps for the next commit, when every process of the node replays them together
         (the orthogonal rule's in-node exchange needs all of them; a process whose recovery failed fails the
         commit, so nothing is replayed by half a node)."""
         missed: list[LoggedStep] = peer["replay"]
-        pending = self._missed or []
-        held = pending[-1].committed if pending else self._managed.steps_before_quorum
+        pending = self.missed or []
+        held = pending[-1].committed if pending else self.managed.steps_before_quorum
         if missed[0].committed != held + 1:
             raise RuntimeError(
                 f"FlexDeMo: a peer sent steps {missed[0].committed}-{missed[-1].committed} to replay, but this node "
                 f"holds the state after step {held}; it cannot catch up by replay. Relaunch this node: it then copies "
                 "the whole state."
             )
-        for group, saved in zip(self.param_groups, peer["groups"]):
+        for group, saved in zip(self.pipeline.param_groups, peer["groups"]):
             group.update(saved)
-        self._missed = pending + missed
-        self._managed.note_catch_up(len(missed), sum(step.nbytes for step in missed), self._replica_state_nbytes())
+        self.missed = pending + missed
+        self.managed.note_catch_up(len(missed), sum(step.nbytes for step in missed), self.nbytes())
 
-    def _steps_to_replay(self) -> int:
+    def steps_to_replay(self) -> int:
         """Training steps this node missed and has not replayed yet."""
-        return sum(step.trained for step in self._missed or ())
+        return sum(step.trained for step in self.missed or ())
 
-    def _catch_up(self) -> None:
+    def catch_up(self) -> None:
         """At a commit: replay the steps this node missed, once every process of the node agrees on them."""
-        pending = self._missed or []
-        if self._replay.capacity and dist.is_initialized() and dist.get_world_size() > 1:
-            counts = torch.tensor([len(pending), -len(pending)], device=self._managed.device)
+        pending = self.missed or []
+        if self.replay.capacity and dist.is_initialized() and dist.get_world_size() > 1:
+            counts = torch.tensor([len(pending), -len(pending)], device=self.managed.device)
             dist.all_reduce(counts, op=dist.ReduceOp.MAX)
             if int(counts[0]) != -int(counts[1]):
                 raise RuntimeError(
@@ -157,13 +176,13 @@ class ReplicaState:
                 )
         if not pending:
             return
-        self._missed = None
-        buckets = self._bucketed()
+        self.missed = None
+        buckets = self.pipeline.buckets()
         for step in pending:
             if step.groups:  # a round that changed nothing has no buckets
                 self._replay_step(buckets, step)
-            self._replay.record(step)
-        self._book.host_step = None  # the step counts moved on
+            self.replay.record(step)
+        self.pipeline.forget_step_count()  # the step counts moved on
 
     def _replay_step(self, buckets: list[Bucket], step: LoggedStep) -> None:
         """One missed step, as the peers applied it: weight decay, then each bucket's decoded update."""
@@ -183,16 +202,16 @@ class ReplicaState:
             stepping.append(moved)
         if step.ctx is not None:  # weight decay in the rules' pass, as the peers applied it
             parts = map_tensors(step.parts, lambda t: t.to(device))
-            self._decode_and_apply(stepping, parts, step.ctx, decay=step.trained)
+            self.pipeline.decode_and_apply(stepping, parts, step.ctx, decay=step.trained)
         elif step.trained:
-            self._decay(stepping)
+            self.pipeline.decay(stepping)
 
-    def _describe_layout(self) -> dict[str, Any]:
+    def describe_layout(self) -> dict[str, Any]:
         """Settings and shapes every node must share, compared when a node first meets the others. Group
         hyperparameters are left out: a node that joins has its scheduler's first ``lr`` until it heals."""
         # join_quorum is compared: nodes that join when ready skip the rounds of synchronize(), which the others
         # would wait in.
-        described = self.describe_replica()
+        described = self.pipeline.describe_replica()
         settings = described["settings"]
         if settings.get("update") == "orthogonal" and settings["ns_dtype"] == "auto":  # by device: may differ
             dtype = newton_schulz_dtype("auto", local_tensor(self._ordered_params()[0]).device)
@@ -200,17 +219,17 @@ class ReplicaState:
             settings["ns_dtype"] = f"auto, {taken} on this node's devices (set ns_dtype='{taken}' on every node)"
         return described
 
-    def _snapshot(self, buckets: list[Bucket], undo_step: bool, with_params: bool = True) -> list:
-        """Copies of what a step changes before its exchange, to undo it: the step counts, the state the
-        scheme's local maths changes, and (``with_params``) the parameters where weight decay or local steps
-        move them."""
-        saved = []
-        for bucket in buckets:
-            tensors = {k: bucket.buffers[k].clone() for k in self.scheme.local_keys if k in bucket.buffers}
-            tensors["step"] = bucket.buffers["step"] - (1 if undo_step else 0)  # the counts already moved on
-            moved = with_params and (self.scheme.moves_parameters_locally or bucket.group["weight_decay"] != 0)
-            saved.append((bucket, bucket.stacked_params() if moved else None, tensors))
-        return saved
+
+def snapshot(buckets: list[Bucket], scheme: ReplicationScheme, *, undo_step: bool, with_params: bool) -> list:
+    """Copies of what a step changes before its exchange, to undo it: the step counts, the state the scheme's
+    local maths changes, and (``with_params``) the parameters where weight decay or local steps move them."""
+    saved = []
+    for bucket in buckets:
+        tensors = {k: bucket.buffers[k].clone() for k in scheme.local_keys if k in bucket.buffers}
+        tensors["step"] = bucket.buffers["step"] - (1 if undo_step else 0)  # the counts already moved on
+        moved = with_params and (scheme.moves_parameters_locally or bucket.group["weight_decay"] != 0)
+        saved.append((bucket, bucket.stacked_params() if moved else None, tensors))
+    return saved
 
 
 def restore(saved: list) -> None:

@@ -1,9 +1,11 @@
 """:class:`ManagedReplicas`: this process's place in the quorum of nodes, the one object the optimizer talks to.
 
-It holds the process's torchft ``Manager`` and hands each question to the part that answers it:
-the step's quorum and commit (:mod:`.quorum`), who is live (:mod:`.membership`), what a
-healing node receives (:mod:`.healing`), the end of a job (:mod:`.closing`) and the exchange's
-collectives (:mod:`.collectives`).
+It holds the process's torchft ``Manager`` and its parts, each of which answers one kind of
+question: the step's quorum and commit (``quorum``, :mod:`.quorum`), who is live (``members``,
+:mod:`.membership`), what a healing node receives (``healing``, :mod:`.healing`), the end of a job
+(``end``, :mod:`.closing`), when the node sits out (``sit_out``, :mod:`.sit_out`) and the exchange's
+collectives (``group``, :mod:`.collectives`). The optimizer's step goes through the methods here,
+which tie the parts together; the Trainer and the run summary ask the parts directly.
 """
 
 from __future__ import annotations
@@ -59,15 +61,15 @@ class ManagedReplicas:
         self._shut_down = False
         self.clock = RoundClock()
         """Seconds this process spent in each phase of its quorum rounds (:mod:`.timeline`)."""
-        self._sit_out = SitOut(config, self.identity, rank)
+        self.sit_out = SitOut(config, self.identity, rank)
         self._quorum_waits: deque[float] = deque(maxlen=QUORUM_WAITS_KEPT)  # seconds from asking to the answer
         atexit.register(_shut_down_at_exit, weakref.ref(self))
         # The healing node receives the peer's settings first (checked before anything loads), then its round.
-        self._healing = Healing(self.manager, self.identity, rank, self.clock)
-        self._end = JobEnd(self.manager, self.identity, config, rank, self.device)
-        self._members = Membership(self.manager, self.identity.name, rank)
-        self._quorum = StepQuorum(self.manager, self.identity, config, rank)
-        self._group = QuorumGroup(self.manager, group, self.device, self.clock)
+        self.healing = Healing(self.manager, self.identity, rank, self.clock)
+        self.end = JobEnd(self.manager, self.identity, config, rank, self.device)
+        self.members = Membership(self.manager, self.identity.name, rank)
+        self.quorum = StepQuorum(self.manager, self.identity, config, rank)
+        self.group = QuorumGroup(self.manager, group, self.device, self.clock)
         self.steps_before_quorum = 0
         """The committed steps this node held when it asked for the current quorum (before any heal)."""
 
@@ -75,25 +77,21 @@ class ManagedReplicas:
 
     def begin(self) -> bool:
         """Join this step's quorum (no-op if open); returns True if this call copied a peer's state."""
-        if self._quorum.round_open:
+        if self.quorum.round_open:
             return False
-        self.clock.add("sit_out", self._sit_out.before_asking(self._members.members, self._end.finished))
-        self._healing.start_round()
+        self.clock.add("sit_out", self.sit_out.before_asking(self.members.members, self.end.finished))
+        self.healing.start_round()
         self.steps_before_quorum = self.manager.current_step()
-        previous = self._members.members
+        previous = self.members.members
         asked = time.perf_counter()
         try:
-            self._quorum.join()
+            self.quorum.join()
         finally:
             self._time_join(asked)
-        self._members.note(previous)
-        self._end.joined()
-        self._quorum.check_job_state()
-        return self._healing.say_healed()
-
-    def sit_out_story(self) -> str:
-        """This node's sit-outs (after stalls, or while the others waited for it), in one line ("" if none)."""
-        return self._sit_out.story()
+        self.members.note(previous)
+        self.end.joined()
+        self.quorum.check_job_state()
+        return self.healing.say_healed()
 
     def quorum_wait_story(self) -> str:
         """How long this node waited for its training rounds' quorums, in one line ("" if it met none)."""
@@ -109,17 +107,17 @@ class ManagedReplicas:
 
     def _time_join(self, asked: float) -> None:
         """Split the join's seconds at the Lighthouse's answer: the wait for the quorum, then the group and heal."""
-        joined, answered = time.perf_counter(), self._members.answered_at
+        joined, answered = time.perf_counter(), self.members.answered_at
         answered = answered if asked <= answered <= joined else joined
         self.clock.add("quorum", answered - asked)
-        if not self._end.finished:
+        if not self.end.finished:
             self._quorum_waits.append(answered - asked)
         self.clock.add("heal", joined - answered)
 
     @property
     def round_open(self) -> bool:
         """Whether this step's quorum is joined and not yet committed."""
-        return self._quorum.round_open
+        return self.quorum.round_open
 
     def commit(self, trained: bool = True) -> bool:
         """Every process of the node agrees whether the step stands; False: undo it.
@@ -127,10 +125,10 @@ class ManagedReplicas:
         ``trained``: whether the round trained a step (not a round of ``synchronize()`` or a closing one), for the
         samples it counts."""
         with self.clock.timing("commit"):
-            committed = self._quorum.commit(trained)
-        self._sit_out.round_done(self._members.members)
+            committed = self.quorum.commit(trained)
+        self.sit_out.round_done(self.members.members)
         if not committed:
-            self._members.undone += 1
+            self.members.undone += 1
         return committed
 
     def report(self, error: Exception) -> None:
@@ -143,16 +141,10 @@ class ManagedReplicas:
 
     def topology(self) -> ManagedTopology:
         """The replicas of the current (or, between steps, the last) quorum."""
-        if not self._quorum.met:
-            return ManagedTopology(group=None, size=1, rank=0, quorum=self._group)
+        if not self.quorum.met:
+            return ManagedTopology(group=None, size=1, rank=0, quorum=self.group)
         rank = self.manager.participating_rank()
-        return ManagedTopology(group=None, size=self.manager.num_participants(), rank=rank or 0, quorum=self._group)
-
-    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor):
-        return self._group.all_gather_into(output, tensor)
-
-    def all_reduce_sum(self, tensor: torch.Tensor):
-        return self._group.all_reduce_sum(tensor)
+        return ManagedTopology(group=None, size=self.manager.num_participants(), rank=rank or 0, quorum=self.group)
 
     def fingerprints_of_leaders(
         self, fingerprint: torch.Tensor, unapplied: int = 0, closing: bool = False
@@ -166,7 +158,7 @@ class ManagedReplicas:
         size = self.topology().size
         if size == 1 or (self.finished and not closing):
             return [int(fingerprint)]
-        return self._group.fingerprints_of_leaders(fingerprint, size, self.step - unapplied)
+        return self.group.fingerprints_of_leaders(fingerprint, size, self.step - unapplied)
 
     # -- what a healing node receives ---------------------------------------------------
 
@@ -176,64 +168,47 @@ class ManagedReplicas:
         ``state()`` must return copies: torchft serves it while this node trains on. Registering
         a key again (a second Trainer in the process) replaces its functions.
         """
-        self._healing.register(key, state, load)
+        self.healing.register(key, state, load)
 
     def describe(self, part: str, describe: Callable[[], Any]) -> None:
         """What must be equal on every node (settings, shapes): compared when a node first takes a peer's state."""
-        self._healing.describe(part, describe)
+        self.healing.describe(part, describe)
 
     def healing_steps(self) -> list[int] | None:
         """Committed steps of the current quorum's nodes that are behind (None: the Lighthouse did not answer)."""
-        return self._healing.healing_steps()
+        return self.healing.healing_steps()
 
     def note_catch_up(self, steps: int, moved: int, copy: int) -> None:
         """This round's heal is a replay of ``steps`` missed steps (``moved`` bytes; a full copy: ``copy``)."""
-        self._healing.note_catch_up(steps, moved, copy)
+        self.healing.note_catch_up(steps, moved, copy)
 
     def note_copy(self, copied: int) -> None:
         """This round's heal copied the whole state (``copied`` bytes to this process)."""
-        self._healing.note_copy(copied)
-
-    @property
-    def catch_ups(self) -> list[tuple[int, int, int]]:
-        """Every catch-up by replay since this process started: (steps, bytes moved, bytes a full copy moves)."""
-        return self._healing.catch_ups
-
-    def catch_up_story(self) -> str:
-        """The catch-ups by replay of this process, in one line ("" if none)."""
-        return self._healing.catch_up_story()
+        self.healing.note_copy(copied)
 
     # -- the end of training -----------------------------------------------------------------
 
     @property
     def finished(self) -> bool:
         """Whether this node has finished training: every round it joins from then on is a closing round."""
-        return self._end.finished
+        return self.end.finished
 
     @finished.setter
     def finished(self, value: bool) -> None:
-        self._end.finished = value
+        self.end.finished = value
 
     @property
     def behind_at_close(self) -> bool:
         """Whether this node's last closing round failed to commit: it has not caught up yet."""
-        return self._end.behind_at_close
+        return self.end.behind_at_close
 
     @behind_at_close.setter
     def behind_at_close(self, value: bool) -> None:
-        self._end.behind_at_close = value
-
-    def start_training(self) -> None:
-        """A new training run in this process (a second ``train()``): its rounds train again."""
-        self._end.start_training()
+        self.end.behind_at_close = value
 
     def agree_on_finished(self) -> bool:
         """Whether any process of this node healed from a node that finished (then all of them close)."""
-        return self._end.agree_on_finished()
-
-    def check_trained(self) -> None:
-        """At the end of training: a node that failed every step it ran trained nothing, an error, not a quiet exit."""
-        self._quorum.check_trained()
+        return self.end.agree_on_finished()
 
     def close(self, closing_round: Callable[[], bool]) -> None:
         """At the end of training: stay while a live node is still on its last step, so that it ends on the same model.
@@ -244,38 +219,19 @@ class ManagedReplicas:
         too, and ``closing_round()`` commits the round. It leaves once every heartbeating node has finished (it was
         in this node's last round, or in a round after the job's last step), or after ``quorum_timeout``.
         """
-        if self._quorum.met:
-            self._end.close(self.begin, closing_round, self._members.members, self._quorum.uncommitted > 0)
+        if self.quorum.met:
+            self.end.close(self.begin, closing_round, self.members.members, self.quorum.uncommitted > 0)
 
     def ending_note(self) -> str:
         """A warning when this node cannot tell that every node it trained with ended on its model ("" otherwise)."""
-        return ending_note(self.identity.name, self.membership, self.step, self.behind_at_close, self._end.ended_alike)
-
-    # -- who is live -----------------------------------------------------------------------
-
-    @property
-    def membership(self) -> list[tuple[int, tuple[str, ...]]]:
-        """``(committed steps, nodes)`` at each change of the quorum's nodes this node saw, oldest first."""
-        return self._members.history
-
-    @property
-    def committed_node_steps(self) -> int:
-        """Sum of the quorum's size over the steps this node committed since this process started."""
-        return self._quorum.committed_node_steps
+        history = self.members.history
+        return ending_note(self.identity.name, history, self.step, self.behind_at_close, self.end.ended_alike)
 
     def membership_story(self) -> str:
         """How the quorum grew and shrank while this node was in it, in one line."""
-        return membership_story(self.membership, self.step)
+        return membership_story(self.members.history, self.step)
 
-    # -- checkpoints and exit --------------------------------------------------------------
-
-    def resume(self, state: dict[str, int] | None) -> None:
-        """Continue from a checkpoint: ``state`` is :meth:`state_dict` as it was saved (``None``: not saved)."""
-        self._quorum.resume(state)
-
-    def state_dict(self) -> dict[str, int]:
-        """torchft's committed-step count, for a checkpoint: a node resumed from it heals only if behind."""
-        return self._quorum.state_dict()
+    # -- exit ------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Stop this node's torchft manager and free its process group; runs at exit, while Python is whole.
@@ -289,7 +245,7 @@ class ManagedReplicas:
         if self._shut_down:
             return
         self._shut_down = True
-        self._group.shutdown()
+        self.group.shutdown()
         self.manager.shutdown(wait=False)
         self._store = None
 
@@ -303,8 +259,15 @@ def _shut_down_at_exit(replicas: weakref.ref[ManagedReplicas]) -> None:
 _NODE: ManagedReplicas | None = None
 
 
-NODE_SETTINGS = ("fault_tolerance", "min_replicas", "ft_timeout", "quorum_timeout", "join_quorum", "stall_wait",
-                 "replay_steps")
+NODE_SETTINGS = (
+    "fault_tolerance",
+    "min_replicas",
+    "ft_timeout",
+    "quorum_timeout",
+    "join_quorum",
+    "stall_wait",
+    "replay_steps",
+)
 """The settings a node's quorum rounds read (the optimizer's others are each optimizer's own)."""
 
 

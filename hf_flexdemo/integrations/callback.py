@@ -68,6 +68,7 @@ class FlexDeMoCallback(TrainerCallback):
         self._pending: dict[str, float] = {}
         self._node_samples = 0  # samples one node trains on per step (all its processes, accumulation included)
         self._micro_steps = 0  # micro-batches of this step done before the current one
+        self._hook_checked = False  # the refusal hook, at this run's first step (after the reporters' on_train_begin)
         self._simulation: SimulatedSteps | None = None
         self.figures: dict[str, float] = {}
         """This node's latest figures (the logged keys; node 0's on the main process), refreshed at logging steps
@@ -89,6 +90,7 @@ class FlexDeMoCallback(TrainerCallback):
             check_flexdemo_layout(AcceleratorState())
 
     def on_train_begin(self, args, state, control, optimizer=None, **kw):
+        self._hook_checked = False
         self._optimizer = unwrap_flexdemo(optimizer)
         if self._optimizer is None:
             return
@@ -133,7 +135,9 @@ class FlexDeMoCallback(TrainerCallback):
     # -- every step ----------------------------------------------------------------------
 
     def on_step_begin(self, args, state, control, **kw):
-        refusals.install()  # back above a hook installed at train start (wandb.init), for any optimizer
+        if not self._hook_checked:  # once a run: back above a hook installed at train start (wandb.init)
+            refusals.install()
+            self._hook_checked = True
         if self._optimizer is not None:
             self._optimizer.begin_step()  # fault tolerance: join the quorum (and heal) before the forward pass
         self._micro_steps = 0
@@ -225,7 +229,7 @@ class FlexDeMoCallback(TrainerCallback):
             figures["flexdemo/live_replicas"] = replicas.topology().size
             figures["flexdemo/committed_steps"] = replicas.step
             figures["flexdemo/samples_per_step"] = replicas.topology().size * self._node_samples
-            figures["flexdemo/committed_samples"] = replicas.committed_node_steps * self._node_samples
+            figures["flexdemo/committed_samples"] = replicas.quorum.committed_node_steps * self._node_samples
             clock, ran = replicas.clock.totals(), max(self._steps_run, 1)
             for phase, seconds in clock.items():
                 figures[f"flexdemo/seconds_{phase}"] = (seconds - self._last_clock.get(phase, 0.0)) / ran

@@ -168,7 +168,7 @@ class NodePosition(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kw):
         self.ended = False
-        self.replicas.start_training()
+        self.replicas.end.start_training()
 
     def on_step_begin(self, args, state, control, **kw):
         self.step_start = _trainer_position(self.trainer)
@@ -179,7 +179,7 @@ class NodePosition(TrainerCallback):
 
     def on_train_end(self, args, state, control, optimizer=None, **kw):
         self.ended = True
-        self.replicas.check_trained()
+        self.replicas.quorum.check_trained()
         flexdemo = unwrap_flexdemo(optimizer)
         if flexdemo is not None:  # after the final synchronize() and replica check (FlexDeMoCallback comes first)
             flexdemo.finish_training()
@@ -190,12 +190,12 @@ class NodePosition(TrainerCallback):
     def on_save(self, args, state, control, **kw):
         if args.should_save:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            (folder / QUORUM_FILE).write_text(json.dumps(self.replicas.state_dict()))
+            (folder / QUORUM_FILE).write_text(json.dumps(self.replicas.quorum.state_dict()))
 
     def resume(self, checkpoint: str) -> None:
         """Continue from ``checkpoint``: torchft's committed-step count as saved there."""
         path = Path(checkpoint) / QUORUM_FILE
-        self.replicas.resume(json.loads(path.read_text()) if path.is_file() else None)
+        self.replicas.quorum.resume(json.loads(path.read_text()) if path.is_file() else None)
 
 
 def resume_node(trainer, checkpoint: str) -> None:

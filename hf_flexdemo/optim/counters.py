@@ -6,7 +6,7 @@ host between reads, so that counting costs no host synchronisation per step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,7 @@ from ..schemes import Collective
 from ..wire import CommStats, all_gather_bytes, nbytes, ring_all_reduce_bytes
 
 if TYPE_CHECKING:
+    from ..buckets import ParamSlot
     from .in_flight import InFlight
 
 COUNTERS = "comm_bytes"
@@ -23,49 +24,63 @@ link, and what a dense ring all-reduce of its gradients would have put there."""
 
 
 class ByteCounters:
-    """FlexDeMo's counters (a mixin: it reads the optimizer's scheme, state and groups)."""
+    """The optimizer's inter-node byte counters, for a scheme whose exchange is ``collective``."""
 
-    def _count(self, job: InFlight, stats: CommStats) -> None:
+    def __init__(self, collective: Collective):
+        self.collective = collective
+        self.last_step = CommStats()
+        """The last exchange's bytes, as the wire counted them."""
+        self._uncounted: dict[int, list[Any]] = {}  # per bucket: [slots, bytes sent, dense bytes] not yet in the state
+
+    def count(self, job: InFlight, stats: CommStats) -> None:
         """Add the step's bytes on the host, per bucket; they reach the state tensors at the next read or save.
 
         Counted per step with that step's number of replicas (a quorum's size can change).
         """
         dense, replicas = 0, job.ctx.replicas
         for bucket, payload, seen in zip(job.buckets, job.payloads, job.grad_bytes):
-            sent = self._wire_bytes(sum(nbytes(t) for t in payload), replicas) if job.ctx.replicate else 0
+            sent = self.wire_bytes(sum(nbytes(t) for t in payload), replicas) if job.ctx.replicate else 0
             pending = self._uncounted.setdefault(id(bucket.slots), [bucket.slots, 0, 0])
             pending[1] += sent
             pending[2] += ring_all_reduce_bytes(seen, replicas) * bucket.count
             dense += seen * bucket.count
         stats.dense_bytes = ring_all_reduce_bytes(dense, replicas)
-        self.last_step_stats = stats
+        self.last_step = stats
 
-    def _flush_counters(self) -> None:
+    def flush(self) -> None:
         """Each bucket's bytes into its parameters' counters: split evenly, the remainder to the first."""
         for slots, sent, seen in self._uncounted.values():
-            share, extra = divmod(sent, len(slots))
-            for i, slot in enumerate(slots):
-                counters = slot.state.counters(COUNTERS, 2)
-                mine = [share + (extra if i == 0 else 0), seen // len(slots)]
-                counters.add_(torch.tensor(mine, dtype=torch.int64).to(counters.device))
+            _add_to_slots(slots, sent, seen)
         self._uncounted.clear()
 
-    @property
-    def total_stats(self) -> CommStats:
-        """Cumulative inter-node bytes of this process (restored with the optimizer state)."""
-        self._flush_counters()
+    def forget(self) -> None:
+        """Drop the bytes not yet in the state (it is being replaced by a loaded one)."""
+        self._uncounted.clear()
+
+    def total(self, param_groups: list[dict[str, Any]], state: dict[torch.Tensor, dict[str, Any]]) -> CommStats:
+        """Cumulative inter-node bytes of this process: what the state holds (restored with it) and the rest."""
+        self.flush()
         moved = dense = 0
-        for group in self.param_groups:
+        for group in param_groups:
             for p in group["params"]:
-                if COUNTERS in self.state.get(p, {}):
-                    sent_p, dense_p = (int(x) for x in local_tensor(self.state[p][COUNTERS]).reshape(2).tolist())
+                if COUNTERS in state.get(p, {}):
+                    sent_p, dense_p = (int(x) for x in local_tensor(state[p][COUNTERS]).reshape(2).tolist())
                     moved += sent_p
                     dense += dense_p
         return CommStats(bytes_sent=moved, bytes_received=moved, dense_bytes=dense)
 
-    def _wire_bytes(self, payload: int, replicas: int) -> int:
-        if replicas == 1 or self.scheme.collective is Collective.NONE:
+    def wire_bytes(self, payload: int, replicas: int) -> int:
+        """What one process puts on the link to exchange ``payload`` bytes among ``replicas``."""
+        if replicas == 1 or self.collective is Collective.NONE:
             return 0
-        if self.scheme.collective is Collective.ALL_GATHER:
+        if self.collective is Collective.ALL_GATHER:
             return all_gather_bytes(payload, replicas)
         return ring_all_reduce_bytes(payload, replicas)
+
+
+def _add_to_slots(slots: list[ParamSlot], sent: int, seen: int) -> None:
+    share, extra = divmod(sent, len(slots))
+    for i, slot in enumerate(slots):
+        counters = slot.state.counters(COUNTERS, 2)
+        mine = [share + (extra if i == 0 else 0), seen // len(slots)]
+        counters.add_(torch.tensor(mine, dtype=torch.int64).to(counters.device))

@@ -31,10 +31,11 @@ from ..agreement import LOCAL_SETTINGS, check_replicas_agree, group_settings
 from ..buckets import MAX_BUCKET_ENTRIES, Bucket, BucketBook, build_buckets, param_slots
 from ..config import FlexDeMoConfig, validate_group
 from ..dtensor_utils import local_tensor
+from ..fault_tolerance.replica_state import snapshot, undo_local_step
 from ..fault_tolerance.rounds import QuorumRounds, StepRound
 from ..schemes import Collective, Decoded, StepContext, build_scheme
 from ..simulated_replicas import ReplicaGradients, SimulatedTopology, check_simulation_layout
-from ..state_store import StateStore, keep_saved_dtypes
+from ..state_store import StateStore, StateView, keep_saved_dtypes
 from ..topology import (
     ReplicaTopology,
     check_layout,
@@ -56,7 +57,7 @@ from .in_flight import EncodedStep, InFlight, split_received, start_exchange
 logger = logging.getLogger(__name__)
 
 
-class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
+class FlexDeMo(torch.optim.Optimizer):
     """Decoupled momentum optimizer that replicates compressed momentum across nodes.
 
     Args:
@@ -80,6 +81,10 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
     parameters (a parameter without a gradient counts as a zero gradient, so that every
     replica sends the same layout). Replicas start from replica 0's parameters: they are
     compared on the first step and copied if they differ.
+
+    Its parts: the scheme (``scheme``) and the update rules (``rules``) do the maths of a step; the byte
+    counters (``counters``) count what crossed nodes; the quorum rounds (``quorum``, fault tolerance) decide how
+    each step meets the live nodes. The step itself is one pipeline here: encode, exchange, decode, apply.
     """
 
     bucket_entries: int = MAX_BUCKET_ENTRIES
@@ -148,12 +153,11 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         self.rules = build_rules(self.config)
         self._topology: ReplicaTopology | None = None
         self._store: StateStore | None = None
-        self.last_step_stats = CommStats()
+        self.counters = ByteCounters(self.scheme.collective)
+        self.quorum = QuorumRounds(self)  # fault tolerance: how each step meets the live nodes
         self._pending: InFlight | None = None  # overlap: the last step's exchange
-        self._uncounted: dict[int, list] = {}  # per bucket: [slots, bytes sent, dense bytes] not yet in the state
-        self._book = BucketBook()  # the buckets, built at the first step (see _bucketed)
+        self._book = BucketBook()  # the buckets, built at the first step (see buckets())
         self._settings_compared = False  # with the other replicas', at this process's first step
-        self._init_quorum_rounds()  # fault tolerance (see hf_flexdemo.fault_tolerance.rounds)
         replicas = self.config.simulate_replicas
         self._simulated = ReplicaGradients(replicas) if replicas > 1 else None  # simulate_replicas' gradients
         if mesh is not None:
@@ -189,9 +193,59 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         self._store = StateStore(topology)
 
     @property
+    def managed(self):
+        """The :class:`~hf_flexdemo.fault_tolerance.ManagedReplicas` this optimizer exchanges through, or None."""
+        return self.quorum.managed
+
+    def attach_managed(self, replicas) -> None:
+        """Exchange with the live nodes of a torchft quorum (:class:`hf_flexdemo.fault_tolerance.ManagedReplicas`).
+
+        Each node is its own job: parameters are FSDP2-sharded over the node's processes (or
+        plain tensors with one process per node), and each node checkpoints its own state.
+        Every step joins the quorum (if the caller has not yet, see :meth:`begin_step`), exchanges
+        over its live replicas, and applies the update only if the node commits the step.
+        """
+        if self._topology is not None and self._topology.is_replicated:
+            raise RuntimeError(
+                "FlexDeMo: attach_managed() on an optimizer that already replicates over a device mesh dimension; "
+                "with fault tolerance each node is its own job (one node per launch, no dp_replicate dimension)."
+            )
+        if self._store is None:
+            self._set_topology(ReplicaTopology.single())
+        self.quorum.attach(replicas)
+        # Through the optimizer's own methods, so that a subclass (or a test's fault injection) serves through its own
+        replicas.register("flexdemo_optimizer", self.replica_state, self.load_replica_state)
+        replicas.describe("flexdemo", self.quorum.replica.describe_layout)
+
+    def begin_step(self) -> None:
+        """Fault tolerance: join this step's quorum now, before the forward pass (no-op otherwise, and with
+        ``join_quorum='when_ready'``, which joins in ``step()``).
+
+        A node that is behind then takes a peer's parameters before computing its gradient.
+        ``step()`` joins by itself if this was not called, one backward pass later.
+        """
+        self.quorum.begin_step()
+
+    def finish_training(self) -> None:
+        """Under torchft with ``join_quorum='when_ready'``: call once after the last step (the Trainer does).
+
+        The node stays while a live node is still on its last step, so that the late one catches up and every
+        node ends on the same parameters (:meth:`~hf_flexdemo.fault_tolerance.ManagedReplicas.close`).
+        """
+        self.quorum.finish_training()
+
+    def replica_state(self) -> dict[str, Any]:
+        """What a peer that is behind needs from this replica (see :meth:`.ReplicaState.serve`)."""
+        return self.quorum.replica.serve()
+
+    def load_replica_state(self, peer: dict[str, Any]) -> None:
+        """Take a peer's parameters and shared state, or the steps to replay; this replica's own momentum stays."""
+        self.quorum.replica.take(peer)
+
+    @property
     def topology(self) -> ReplicaTopology:
-        if self._managed is not None:
-            return self._managed.topology()
+        if self.managed is not None:
+            return self.managed.topology()
         if self._topology is None:
             world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             if world > 1 and self.scheme.collective is not Collective.NONE:
@@ -206,7 +260,17 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
 
     @property
     def is_attached(self) -> bool:
-        return self._topology is not None or self._managed is not None
+        return self._topology is not None or self.managed is not None
+
+    @property
+    def last_step_stats(self) -> CommStats:
+        """The last exchange's inter-node bytes, as the wire counted them."""
+        return self.counters.last_step
+
+    @property
+    def total_stats(self) -> CommStats:
+        """Cumulative inter-node bytes of this process (restored with the optimizer state)."""
+        return self.counters.total(self.param_groups, self.state)
 
     # -- stepping ----------------------------------------------------------------------
 
@@ -241,35 +305,81 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
 
     def _run(self, sync_only: bool) -> bool:
         """One step (``sync_only``: a round of ``synchronize()``); returns whether it exchanged across nodes."""
-        if self._payload_before_quorum(sync_only):
+        if self.quorum.encodes_first(sync_only):
             return self._run_payload_first()
-        joined = self._enter_round(sync_only)  # fault tolerance: this step's quorum round (None: nothing to run)
+        joined = self.quorum.enter(sync_only)  # fault tolerance: this step's quorum round (None: nothing to run)
         if joined is None:
             return False
+        if self.managed is None:
+            self.topology  # noqa: B018  (decides the topology and state layout on first use)
         return self._run_in_round(joined, sync_only)
 
     def _run_in_round(self, joined: StepRound, sync_only: bool) -> bool:
         """The step once it knows how it meets the quorum (``joined``)."""
-        buckets = self._bucketed()
+        buckets = self.buckets()
         topology = ReplicaTopology.single() if joined.local else self.topology
         if not sync_only:
             if self._simulated is not None:  # before anything moves: a refused step changes nothing
                 self._simulated.check([slot.state.param for bucket in buckets for slot in bucket.slots])
             self.flush()  # overlap: the previous step's update lands before this step's local maths
             self._count_step(buckets)
-        if sync_only and not joined.in_quorum and not self._needs_sync():
+        if sync_only and not joined.in_quorum and not self.needs_sync():
             return False
-        encoded = self._encode_step(buckets, sync_only, topology, joined.in_quorum, joined.drop_gradient)
+        encoded = self._encode_step(
+            buckets,
+            sync_only=sync_only,
+            topology=topology,
+            in_quorum=joined.in_quorum,
+            drop_gradient=joined.drop_gradient,
+        )
         self._send(encoded)
         return encoded.ctx.replicate
+
+    def _run_payload_first(self) -> bool:
+        """A training step that encodes, then joins its quorum and exchanges (see
+        :meth:`.QuorumRounds.encodes_first`).
+
+        The momentum takes this node's gradient at this node's learning rate, before a catch-up moves the
+        hyperparameters on (the exchanged update is applied at the quorum's, as on every node). If the quorum
+        turns out to need another payload (its step would not replicate, or a heal copied a peer's state),
+        the encoding is undone and the step runs as it would have after joining.
+        """
+        buckets = self.buckets()
+        self._count_step(buckets)
+        # The same local part as a step in its round (weight decay waits for the commit: no copy of the parameters)
+        encoded = self._encode_step(
+            buckets, sync_only=False, topology=self.topology, in_quorum=True, drop_gradient=False
+        )
+        joined = self.quorum.enter(False)
+        if joined is None:  # the job finished meanwhile: this gradient would be a step past its end
+            undo_local_step(encoded.undo)
+            self.forget_step_count()
+            return False
+        ctx = self._context(self._this_step(), False, self.topology)
+        if joined.drop_gradient or ctx.replicate != encoded.ctx.replicate:
+            if not joined.drop_gradient:  # (a heal that copied a peer's state replaced the encoding with the rest)
+                undo_local_step(encoded.undo)
+            self.forget_step_count()  # the step counts went back, or are the peer's
+            return self._run_in_round(joined, False)
+        for moving, bucket in zip(encoded.buckets, buckets):  # the quorum's hyperparameters: a heal may have moved
+            moving.group = dict(bucket.group)  # them on
+        encoded.ctx, encoded.topology = ctx, self.topology  # the quorum's, now that it is known
+        self._send(encoded)
+        return ctx.replicate
 
     def _this_step(self) -> int:
         """The step number the replicas pick alike (random's entries, replicate_every's exchanges): steps still
         to replay count."""
-        return self._steps_taken() + self._steps_to_replay()
+        return self.steps_taken() + self.quorum.steps_to_replay()
 
     def _encode_step(
-        self, buckets: list[Bucket], sync_only: bool, topology: ReplicaTopology, in_quorum: bool, drop_gradient: bool
+        self,
+        buckets: list[Bucket],
+        *,
+        sync_only: bool,
+        topology: ReplicaTopology,
+        in_quorum: bool,
+        drop_gradient: bool,
     ) -> EncodedStep:
         """The step's local part, which every path runs: what undoes it (``in_quorum``), weight decay where it
         cannot wait, and each bucket's local maths and payload."""
@@ -287,9 +397,11 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         # the parameters, nor with overlap (the rules run at the next step, after its forward).
         overlapped = self.config.overlap and ctx.replicate and not sync_only
         decay_in_rules = not sync_only and not self.scheme.moves_parameters_locally and not overlapped
-        undo = self._snapshot(stepping, not sync_only, with_params=not decay_in_rules) if in_quorum else None
+        undo = None
+        if in_quorum:
+            undo = snapshot(stepping, self.scheme, undo_step=not sync_only, with_params=not decay_in_rules)
         if not sync_only and not decay_in_rules:
-            self._decay(stepping)
+            self.decay(stepping)
         payloads, grad_bytes = self._local_steps(stepping, ctx, sync_only, drop_gradient, grads)
         return EncodedStep(stepping, payloads, grad_bytes, ctx, topology, undo, decay_in_rules, not sync_only)
 
@@ -304,7 +416,9 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
             ctx = self._context(step, sync_only, topology)
             replica = [bucket.for_replica(topology.rank) for bucket in stepping]
             payloads, grad_bytes = self._local_steps(replica, ctx, sync_only, False, grads)
-            start_exchange(self.scheme.collective, replica, payloads, grad_bytes, ctx, async_op=False, topology=topology)
+            start_exchange(
+                self.scheme.collective, replica, payloads, grad_bytes, ctx, async_op=False, topology=topology
+            )
         return topologies[0], sources[0]
 
     def next_replica(self) -> None:
@@ -324,7 +438,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
 
     def _count_step(self, buckets: list[Bucket]) -> None:
         """A training step begins: every bucket's step count moves on."""
-        taken = self._steps_taken()
+        taken = self.steps_taken()
         for bucket in buckets:
             bucket.scalars("step", torch.int64).add_(1)
         self._book.host_step = taken + 1
@@ -374,21 +488,24 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
     def _finish(self, job: InFlight) -> None:
         """Wait for the step's exchange, and apply what came back: decode, then each bucket's update rule."""
         received, stats = job.exchange.wait()
-        if job.undo is not None and not self._commit_round(job.undo):  # fault tolerance: the node votes
+        if job.undo is not None and not self.quorum.commit(job.undo):  # fault tolerance: the node votes
             return  # not committed: the step is undone
         parts = split_received(received, job, self.scheme.collective)
-        self._decode_and_apply(job.buckets, parts, job.ctx, decay=job.decay_in_rules)
+        self.decode_and_apply(job.buckets, parts, job.ctx, decay=job.decay_in_rules)
         if job.undo is not None:
-            self._replay.record(self._logged(job.buckets, parts, job.ctx, job.training))
-        self._count(job, stats)
+            self.quorum.replica.log(job.buckets, parts, job.ctx, trained=job.training)
+        self.counters.count(job, stats)
 
-    def _decay(self, buckets: list[Bucket]) -> None:
+    # -- the step's parts, for the fault-tolerance rounds (hf_flexdemo.fault_tolerance.pipeline) ----------
+
+    def decay(self, buckets: list[Bucket]) -> None:
+        """Weight decay alone, on the buckets' parameters."""
         for bucket in buckets:
             wd = bucket.group["weight_decay"]
             if wd:
                 torch._foreach_mul_(bucket.params, 1 - bucket.group["lr"] * wd)
 
-    def _decode_and_apply(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext, decay: bool) -> None:
+    def decode_and_apply(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext, *, decay: bool) -> None:
         """Decode each bucket's exchange and move its parameters by its rule (``decay``: with weight decay)."""
         # Decoded updates are dense: the rules take them a few buckets at a time, so the step holds at most
         # about one bucket's worth beside the state, not the whole model's.
@@ -397,7 +514,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
             decoded = self.scheme.apply(bucket, part, ctx)
             if decoded is None:
                 if decay:  # nothing to apply: the parameters still decay
-                    self._decay([bucket])
+                    self.decay([bucket])
                 continue
             if decay:
                 decoded.decay = 1 - bucket.group["lr"] * bucket.group["weight_decay"]
@@ -419,26 +536,46 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         for name, items in by_rule.items():
             self.rules[name].apply(items, ctx)
 
-    def _steps_taken(self) -> int:
+    def steps_taken(self) -> int:
         """Optimizer steps taken, kept on the host (read from the state once per build or undo)."""
         if self._book.host_step is None:
-            self._book.host_step = int(self._bucketed()[0].scalars("step", torch.int64)[0])
+            self._book.host_step = int(self.buckets()[0].scalars("step", torch.int64)[0])
         return self._book.host_step
 
-    def _needs_sync(self) -> bool:
-        first = self._bucketed()[0].slots[0]
-        return self.scheme.needs_sync(first.state, self._steps_taken())
+    def forget_step_count(self) -> None:
+        """The step counts changed in the state (an undo, a replay, a peer's copy): read them again."""
+        self._book.host_step = None
 
-    def _bucketed(self) -> list[Bucket]:
+    def forget_buckets(self) -> None:
+        """The state was replaced: build the buckets again at the next step."""
+        self._book.stale = True
+
+    def drop_pending(self) -> None:
+        """Forget a pending ``overlap`` exchange: the state it refers to is being replaced."""
+        self._pending = None
+
+    def state_view(self, param: torch.Tensor) -> StateView:
+        """``param``'s state entries, read and created in this optimizer's layout (decided here if not yet: a node
+        that is not attached keeps its own)."""
+        if self._store is None:
+            self._set_topology(ReplicaTopology.single())
+        return StateView(self._store, param, local_tensor(param), self.state[param])
+
+    def needs_sync(self) -> bool:
+        """Whether ``synchronize()`` has anything to exchange now."""
+        first = self.buckets()[0].slots[0]
+        return self.scheme.needs_sync(first.state, self.steps_taken())
+
+    def buckets(self) -> list[Bucket]:
         """The buckets of this optimizer's parameters, built when they no longer fit (see :class:`BucketBook`),
         with every state entry created and checked."""
         buckets = self._book.current(self.param_groups)
         if buckets is not None:
             return buckets
-        self._flush_counters()  # bytes counted per bucket reach the parameters' counters before rebuilding
+        self.counters.flush()  # bytes counted per bucket reach the parameters' counters before rebuilding
         slots_by_group = param_slots(self.param_groups, self.state, self._store)
         all_slots = [slot for slots in slots_by_group for slot in slots]
-        if not self._settings_compared and self._managed is None:  # under torchft: when a node meets the others
+        if not self._settings_compared and self.managed is None:  # under torchft: when a node meets the others
             described = self.describe_replica() | {"groups": group_settings(self.param_groups)}
             check_replicas_agree(described, self.topology)  # also on a resumed run's first step
             self._settings_compared = True
@@ -458,19 +595,19 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
                 self._rule(bucket.group).check_state(slot)
         if any(bucket.group["update"] == "orthogonal" for bucket in buckets):
             # Under torchft the nodes compare the dtype they took when they meet (no quorum is open here).
-            group = self.topology.group if self._managed is None and self.topology.is_replicated else None
+            group = self.topology.group if self.managed is None and self.topology.is_replicated else None
             self.rules["orthogonal"].settle_dtype(buckets[0].device, group)
         return self._book.keep(buckets, self.param_groups)
 
     def _start(self, params: list[torch.Tensor]) -> None:
         """First step: check the layout and that every replica starts from the same parameters."""
         check_layout(params, self._topology or self.topology)
-        if self._managed is None:  # under torchft the first quorum copies the first node's state to the others
+        if self.managed is None:  # under torchft the first quorum copies the first node's state to the others
             start_from_first_replica(params, self.topology)
 
     def describe_replica(self) -> dict[str, Any]:
         """Settings and shapes every replica must share (see :mod:`hf_flexdemo.agreement`)."""
-        params = self._ordered_params()
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         return {
             "settings": {k: v for k, v in dataclasses.asdict(self.config).items() if k not in LOCAL_SETTINGS},
             "parameter_shapes": [tuple(p.shape) for p in params],
@@ -487,8 +624,8 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         commit heals at its next quorum), or ``[]`` if the comparison itself failed.
         """
         params = [p for group in self.param_groups for p in group["params"]]
-        if self._managed is not None:
-            return self._managed.fingerprints_of_leaders(parameter_fingerprint(params), len(self._missed or ()))
+        if self.managed is not None:
+            return self.managed.fingerprints_of_leaders(parameter_fingerprint(params), self.quorum.steps_missed())
         return replica_fingerprints(params, self.topology)
 
     @property
@@ -497,14 +634,14 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         first = next((p for group in self.param_groups for p in group["params"] if p.requires_grad), None)
         if first is None or "step" not in self.state.get(first, {}):
             return True
-        slot = self._bucketed()[0].slots[0]
-        return self.scheme.replicas_match(slot.state, self._steps_taken())
+        slot = self.buckets()[0].slots[0]
+        return self.scheme.replicas_match(slot.state, self.steps_taken())
 
     # -- state dict --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         self.flush()  # a pending overlap exchange belongs to the state being saved
-        self._flush_counters()
+        self.counters.flush()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -513,7 +650,7 @@ class FlexDeMo(ByteCounters, QuorumRounds, torch.optim.Optimizer):
         self._pending = None  # an exchange started before loading refers to the replaced state
         if self._simulated is not None:
             self._simulated.clear()  # gradients taken before the load belong to the replaced run
-        self._uncounted.clear()  # so do bytes not yet added to it
+        self.counters.forget()  # so do bytes not yet added to it
         self._book.stale = True
         super().load_state_dict(state_dict)
         for group in self.param_groups:  # torch takes the saved groups' keys; older checkpoints lack this one

@@ -37,10 +37,10 @@ from ..compression import (
     flat_positions,
     from_coefficients,
     pack_bits,
-    unpack_bits,
     quantize_codes,
     select_topk,
     tiles,
+    unpack_bits,
 )
 from .base import Decoded, StepContext
 from .demo import DeMoScheme

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from ..buckets import Bucket
-from ..state_store import StateStore, StateView
 from ..scheme_traits import SchemeTraits
+from ..state_store import StateStore, StateView
 from .base import Collective, ReplicationScheme, StepContext
 from .momentum import momentum_dtype
 

@@ -21,13 +21,13 @@ args = parser.parse_args()
 replicas = node_replicas(FlexDeMoConfig(fault_tolerance="torchft", min_replicas=2, ft_timeout=30))
 replicas.begin()
 # One exchange both nodes finish: node 1 has taken node 0's start-up state before node 0 exits.
-replicas.all_reduce_sum(torch.ones(4)).wait()
+replicas.group.all_reduce_sum(torch.ones(4)).wait()
 values = torch.ones(4)
 if replicas.identity.replica_group == 0:
-    work = replicas.all_reduce_sum(values)
+    work = replicas.group.all_reduce_sum(values)
     work._work.get_future().then(lambda done: done.value())
     print("node0 exits with its exchange pending", flush=True)
 else:
     time.sleep(args.late_s)
-    replicas.all_reduce_sum(values).wait()
+    replicas.group.all_reduce_sum(values).wait()
     print(f"node1 summed {values.tolist()}", flush=True)

@@ -1,8 +1,8 @@
 """Operations per FlexDeMo step on OLMo2's layout, counted on CPU: on a GPU each is a kernel launch.
 
     # OLMo2-1B's 16 layers at a small width (the count does not depend on the width)
-    python benchmarks/step_ops.py
-    python benchmarks/step_ops.py --layers 16 --hidden 128 --configs sign default
+    python benchmarks/step/step_ops.py
+    python benchmarks/step/step_ops.py --layers 16 --hidden 128 --configs sign default
 
 A step is profiled with ``torch.profiler`` after two warm-up steps. Counted:
 

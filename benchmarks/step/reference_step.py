@@ -4,9 +4,9 @@ The reference is not a dependency; install it beside the project, not into the v
 
     .venv/bin/pip download detonation==0.5.2 einops mltiming --no-deps -d /tmp/det_pkg
     .venv/bin/pip install --no-deps --target /tmp/det_site /tmp/det_pkg/*
-    PYTHONPATH=/tmp/det_site .venv/bin/python benchmarks/reference_step.py --force-compress
+    PYTHONPATH=/tmp/det_site .venv/bin/python benchmarks/step/reference_step.py --force-compress
     PYTHONPATH=/tmp/det_site OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 \\
-        benchmarks/reference_step.py
+        benchmarks/step/reference_step.py
 
 Each process is one replica with plain parameters (its own sharding group of one, so the
 reference does not reduce-scatter). With one replica the reference skips compression
@@ -21,12 +21,17 @@ import argparse
 import os
 import socket
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from detonation.optim.demo import DeMo  # not re-exported by detonation/__init__
-from optimizer_step import t5_small_shapes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness
+
+from harness import t5_small_shapes  # noqa: E402
 
 
 class _OneThatIsNotOne(int):

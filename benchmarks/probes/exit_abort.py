@@ -20,9 +20,9 @@ Two jobs, each run ``--runs`` times beside ``--burners`` CPU-bound processes:
 ``exit_worker`` as ``training_scripts/script_utils.py``'s ``exit_worker()`` does (the exit handlers,
 then no teardown). The T5 script always exits through ``exit_worker()``.
 
-    .venv/bin/python benchmarks/exit_abort.py --job probe --exit teardown --runs 100
-    .venv/bin/python benchmarks/exit_abort.py --job probe --exit exit_worker --runs 100
-    .venv/bin/python benchmarks/exit_abort.py --job t5 --runs 50
+    .venv/bin/python benchmarks/probes/exit_abort.py --job probe --exit teardown --runs 100
+    .venv/bin/python benchmarks/probes/exit_abort.py --job probe --exit exit_worker --runs 100
+    .venv/bin/python benchmarks/probes/exit_abort.py --job t5 --runs 50
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "training_scripts"))
 
 PROBE = """
@@ -87,7 +87,10 @@ def run_probe(exit_mode: str, env: dict[str, str]) -> tuple[list[int], str]:
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-c", PROBE, exit_mode, str(ROOT / "training_scripts")],
-                env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )  # fmt: skip
         )
     outputs = [p.communicate(timeout=300)[0] for p in procs]

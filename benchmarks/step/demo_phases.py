@@ -1,6 +1,6 @@
 """Where a DeMo step spends its time, phase by phase, on one process's FSDP shard of T5-small.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/demo_phases.py --shards 2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step/demo_phases.py --shards 2
 
 Each parameter's first dimension is cut by ``--shards`` (what one process of a node holds
 under FSDP2); tensors of one shape are stacked into a bucket, as the optimizer does, and each
@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from optimizer_step import t5_small_shapes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness
+
+from harness import t5_small_shapes  # noqa: E402
 
 from hf_flexdemo.compression import (
     ChunkPlan,

@@ -1,11 +1,11 @@
 """Optimizer step time and inter-node bytes on T5-small's parameter shapes (60.5M parameters).
 
     # one process: optimizer compute only
-    python benchmarks/optimizer_step.py
+    python benchmarks/step/optimizer_step.py
     # two replicas (one process each, gloo on loopback): adds the real exchange
-    torchrun --standalone --nproc-per-node 2 benchmarks/optimizer_step.py
+    torchrun --standalone --nproc-per-node 2 benchmarks/step/optimizer_step.py
     # one node of two processes, every tensor a row-sharded FSDP2 DTensor: the update rules' in-node work
-    torchrun --standalone --nproc-per-node 2 benchmarks/optimizer_step.py --shard_processes 2
+    torchrun --standalone --nproc-per-node 2 benchmarks/step/optimizer_step.py --shard_processes 2
 
 The AdamW baseline with replicas also all-reduces the gradients (what HSDP does between
 nodes). Times are medians over ``--repeats`` runs of ``--steps`` steps, after one warm-up
@@ -18,16 +18,22 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from transformers import T5Config, T5ForConditionalGeneration
+from transformers import T5Config
 
 from hf_flexdemo import FlexDeMo, FlexDeMoConfig
 from hf_flexdemo.wire import ring_all_reduce_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness
+
+from harness import t5_small_shapes  # noqa: E402
 
 CONFIGS = {  # the figures in BENCHMARKS.md took sign steps (the default then): those configurations name it
     "adamw": None,
@@ -52,12 +58,6 @@ CONFIGS = {  # the figures in BENCHMARKS.md took sign steps (the default then): 
     "flexdemo demo orthogonal + adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam"),
 }
 VOCAB = T5Config().vocab_size
-
-
-def t5_small_shapes() -> list[torch.Size]:
-    with torch.device("meta"):
-        model = T5ForConditionalGeneration(T5Config())  # t5-small's sizes
-    return [p.shape for p in model.parameters()]
 
 
 def run_config(name, kwargs, shapes, mesh, steps, repeats, seed=0):

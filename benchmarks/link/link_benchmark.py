@@ -1,16 +1,16 @@
 """FlexDeMo against AdamW with HSDP across a rate-limited link between two simulated machines.
 
-    .venv/bin/python benchmarks/link_benchmark.py                 # the full matrix (about an hour here)
-    .venv/bin/python benchmarks/link_benchmark.py --rates 1gbit --configs adamw demo --steps 6
+    .venv/bin/python benchmarks/link/link_benchmark.py                 # the full matrix (about an hour here)
+    .venv/bin/python benchmarks/link/link_benchmark.py --rates 1gbit --configs adamw demo --steps 6
 
 Two network namespaces joined by a veth pair (``tc tbf`` on both ends) are the two
 machines; each runs ``accelerate launch --num_machines 2 --machine_rank i`` with 2
 processes, so the rendezvous and every inter-node byte cross the limited link. Every run
 trains ``training_scripts/train_t5.py``'s offline preset at T5-small size (60.5M
-parameters) for ``--steps`` steps through ``benchmarks/link_worker.py``, and reports the
+parameters) for ``--steps`` steps through ``benchmarks/link/link_worker.py``, and reports the
 median step time, the bytes node 0 sent (FlexDeMo's counters and the link's own count from
 ``ip -s link``), and the validation loss. Results go to ``--out`` as JSON;
-``benchmarks/link_report.py`` turns them into the table and plots of ``BENCHMARKS.md``.
+``benchmarks/link/link_report.py`` turns them into the table and plots of ``BENCHMARKS.md``.
 Needs root and iproute2. Traffic only goes to the namespaces this script creates, which are
 removed afterwards, also on failure or Ctrl-C.
 """
@@ -28,8 +28,8 @@ from pathlib import Path
 
 from netns import NamespacePair, unavailable_reason
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "benchmarks" / "configs" / "cpu_2machines.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "benchmarks" / "link" / "configs" / "cpu_2machines.yaml"
 
 CONFIGS: dict[str, list[str]] = {
     "adamw": ["--optim", "adamw_torch"],
@@ -90,7 +90,7 @@ def run_one(
             *pair.exec_prefix(node), sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", str(CONFIG), "--machine_rank", str(node),
             "--main_process_ip", pair.addresses[0], "--main_process_port", str(port),
-            str(ROOT / "benchmarks" / "link_worker.py"), "--result", str(result_path),
+            str(ROOT / "benchmarks" / "link" / "link_worker.py"), "--result", str(result_path),
             *training_args(steps, batch, work / name, model_size), *CONFIGS[name],
         ]  # fmt: skip
         log = open(work / f"{name}.node{node}.log", "w")
@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", help=f"subset of {list(CONFIGS)} (default: the matrix)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="per process")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "link.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "link" / "link.json"))
     parser.add_argument("--work", default="/tmp/flexdemo-link-benchmark")
     args = parser.parse_args()
 

@@ -1,15 +1,15 @@
 """The wire presets at a 1B model's scale: the modelled time to AdamW-HSDP's final loss, and the frontier plots.
 
-For each preset of the quality study (``--study`` directories of ``benchmarks/quality_study.py``) and each
+For each preset of the quality study (``--study`` directories of ``benchmarks/quality/quality_study.py``) and each
 ``wire=`` preset, from the study's runs (the default rule, 3 seeds, each configuration at its chosen rate):
 
 - **the loss**: the final validation loss against AdamW-HSDP's, and the first evaluation at which the mean
   curve over the seeds is at or below AdamW-HSDP's final mean loss (the study's resolution: ``steps / 10``);
 - **the time, scaled to OLMo2-1B on 2 nodes**: a step costs its compute plus its inter-node bytes at the link's
   rate, ``t = compute + 8 * bytes / rate``, with no overlap of the two. The bytes are one node's for OLMo2-1B
-  (``--wire_bytes``, written by ``benchmarks/wire_presets.py``: each preset through the real wire; AdamW-HSDP's
+  (``--wire_bytes``, written by ``benchmarks/quality/wire_presets.py``: each preset through the real wire; AdamW-HSDP's
   ring all-reduce of bf16 gradients sends the gradient once per node with 2 nodes). The compute is one rank of
-  a node of 8 H100s (``benchmarks/gpu_step.py --node_of 8``, BENCHMARKS.md): its forward and backward of
+  a node of 8 H100s (``benchmarks/step/gpu_step.py --node_of 8``, BENCHMARKS.md): its forward and backward of
   4 x 2048 tokens plus AdamW's step on its shards, or plus the default rule's step (the same for every wire
   preset; FSDP2's in-node collectives, which both pay alike, are left out). The steps are the small preset's:
   the model is scaled, the number of steps to the loss is assumed to carry over. The result is
@@ -19,8 +19,9 @@ For each preset of the quality study (``--study`` directories of ``benchmarks/qu
 It also draws the frontier, one PNG per study preset: each configuration's loss against AdamW-HSDP's, over the
 bytes it sends per step (as "x fewer than dense", the study's own models), the default rule and the sign rule.
 
-    .venv/bin/python benchmarks/time_to_loss.py --study benchmarks/results/quality_olmo2 \\
-        benchmarks/results/quality_olmo2_ft benchmarks/results/quality_t5 --out benchmarks/results/time_to_loss
+    .venv/bin/python benchmarks/quality/time_to_loss.py --study benchmarks/results/quality/quality_olmo2 \\
+        benchmarks/results/quality/quality_olmo2_ft benchmarks/results/quality/quality_t5 \\
+        --out benchmarks/results/quality/time_to_loss
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from quality_study import CONFIGS, mean_curve, summarize
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RATES = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9}
 PRESET_CONFIGS = {  # wire= preset: the study's configuration with the default rule (the same coefficients)
     "demo": "demo_ortho_adam",
@@ -118,7 +119,10 @@ def frontier_plot(study: Path, out: Path, min_seeds: int = 3) -> Path:
         points = [
             (row["ratio_to_dense"], 100 * row["vs_adamw"], name.removesuffix("_ortho_adam"))
             for (m, name), row in table.items()
-            if m == model and pick(name) and "ratio_to_dense" in row and "vs_adamw" in row
+            if m == model
+            and pick(name)
+            and "ratio_to_dense" in row
+            and "vs_adamw" in row
             and row["seeds"] >= min_seeds  # a seed-0 probe is left out
         ]
         if not points:
@@ -190,7 +194,9 @@ def print_table(records: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--study", type=Path, nargs="+", required=True, help="quality_study.py output directories")
-    parser.add_argument("--wire_bytes", type=Path, default=ROOT / "benchmarks" / "results" / "wire_presets.json")
+    parser.add_argument(
+        "--wire_bytes", type=Path, default=ROOT / "benchmarks" / "results" / "quality" / "wire_presets.json"
+    )
     parser.add_argument("--out", type=Path, required=True, help="where the JSON and the frontier PNGs go")
     args = parser.parse_args()
     presets = json.loads(args.wire_bytes.read_text())

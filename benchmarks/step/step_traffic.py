@@ -1,13 +1,13 @@
 """Memory traffic of one optimizer step on OLMo2's layout, in bytes read and written per parameter, counted on CPU.
 
     # OLMo2-1B's 16 layers at width 256, vocabulary 4096 (18.9M parameters), in bf16 and in fp32
-    python benchmarks/step_traffic.py
-    python benchmarks/step_traffic.py --dtypes bf16 --configs sign --json traffic.json
+    python benchmarks/step/step_traffic.py
+    python benchmarks/step/step_traffic.py --dtypes bf16 --configs sign --json traffic.json
     # with FlexDeMo's fused Triton path on the CPU (Triton's interpreter: minutes a configuration)
-    TRITON_INTERPRET=1 python benchmarks/step_traffic.py --layers 2 --configs sign "sign, fused"
+    TRITON_INTERPRET=1 python benchmarks/step/step_traffic.py --layers 2 --configs sign "sign, fused"
 
 A step of a bandwidth-bound optimizer costs about its bytes moved: this counts them without a GPU.
-Parameters are built from ``benchmarks/step_ops.py``'s OLMo2 layout (one process, no
+Parameters are built from ``benchmarks/step/step_ops.py``'s OLMo2 layout (one process, no
 ``torch.distributed``), here with a vocabulary of 4096 tokens: the embedding and head (which take
 the element-wise rule) then hold 11% of the parameters, nearer OLMo2-1B's 28% (100k tokens at
 width 2048) than 1024 tokens' 3%. The default rule's bytes per parameter depend on that share;

@@ -5,7 +5,7 @@ shutdown, then, as ``kept`` or ``destroyed``, a default group made after it. On 
 warning falls between the shutdown markers: torchft 0.2.0's ``shutdown()`` drops its group
 without finalizing it. One process, one GPU or the CPU (gloo prints nothing).
 
-    python benchmarks/torchft_group_exit.py [none|kept|destroyed]
+    python benchmarks/probes/torchft_group_exit.py [none|kept|destroyed]
 """
 
 from __future__ import annotations

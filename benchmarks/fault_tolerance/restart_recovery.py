@@ -11,7 +11,8 @@ output with timestamps:
   workers took to stop;
 - ``save_cost_s``: the median step time with a checkpoint at every step, minus without.
 
-    .venv/bin/python benchmarks/fault_recovery.py --repeats 3 --out benchmarks/results/fault_recovery.json
+    .venv/bin/python benchmarks/fault_tolerance/restart_recovery.py --repeats 3 \\
+        --out benchmarks/results/fault_tolerance/fault_recovery.json
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "accelerate_configs" / "cpu_2x2.yaml"
 SCRIPT = ROOT / "training_scripts" / "train_t5.py"
 STEP_LINE = re.compile(r"\{'loss'")
@@ -134,7 +135,9 @@ def step_time(tmp: Path, save_steps: int, steps: int = 16) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fault_recovery.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "fault_tolerance" / "fault_recovery.json"
+    )
     args = parser.parse_args()
     results: dict[str, list] = {"runs": [], "save_cost": []}
     for repeat in range(args.repeats):

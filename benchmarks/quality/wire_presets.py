@@ -9,17 +9,22 @@ step's compute is ``bytes * 8 / compute``: below it the link bounds the step, an
 compressed preset is faster. The compute per step (``--compute_ms``, default 380 ms) is OLMo2-1B's
 forward and backward plus the default rule's step, measured on one H200 (BENCHMARKS.md).
 
-    .venv/bin/python benchmarks/wire_presets.py --model olmo2-1b --json benchmarks/results/wire_presets.json
+    .venv/bin/python benchmarks/quality/wire_presets.py --model olmo2-1b \\
+        --json benchmarks/results/quality/wire_presets.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
-from gpu_step import build_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))  # benchmarks/step: the model builder
+
+from gpu_step import build_model  # noqa: E402
 
 from hf_flexdemo.compression import ChunkPlan
 from hf_flexdemo.config import WIRE_PRESETS, FlexDeMoConfig

@@ -1,6 +1,6 @@
 """One process of the link benchmark: train_t5.py's Trainer with a step timer.
 
-Launched by ``benchmarks/link_benchmark.py`` through ``accelerate launch`` in each simulated
+Launched by ``benchmarks/link/link_benchmark.py`` through ``accelerate launch`` in each simulated
 machine; every argument but ``--result`` goes to ``training_scripts/train_t5.py``. The main
 process writes the step times, losses, validation loss and FlexDeMo's figures to ``--result``.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "training_scripts"))
 
 import train_t5  # noqa: E402
 from script_utils import finish_distributed  # noqa: E402

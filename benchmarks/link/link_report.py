@@ -1,7 +1,7 @@
-"""Table and plots from the link benchmark's results (``benchmarks/results/link.json``).
+"""Table and plots from the link benchmark's results (``benchmarks/results/link/link.json``).
 
-    .venv/bin/python benchmarks/link_report.py            # prints the Markdown table, writes the PNGs
-    .venv/bin/python benchmarks/link_report.py --results benchmarks/results/link_batch2.json
+    .venv/bin/python benchmarks/link/link_report.py            # prints the Markdown table, writes the PNGs
+    .venv/bin/python benchmarks/link/link_report.py --results benchmarks/results/link/link_batch2.json
 
 Per run: median and mean step time (after two warm-up steps), speedup against AdamW-HSDP
 at the same rate, node 0's bytes per step sent and received (FlexDeMo's counters, and the
@@ -149,7 +149,9 @@ def plot_losses(results: dict, rate: str, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", default=str(Path(__file__).parent / "results" / "link.json"))
+    parser.add_argument(
+        "--results", default=str(Path(__file__).resolve().parents[1] / "results" / "link" / "link.json")
+    )
     args = parser.parse_args()
     path = Path(args.results)
     results = json.loads(path.read_text())

@@ -12,14 +12,16 @@ plus the bytes at the rate: `t = compute + 8 * bytes / rate`. The time of a step
 of the configuration's runs, or with ``--retime N`` the median of N short runs without
 evaluations, every configuration's taken in turns so that all see the same machine::
 
-    .venv/bin/python benchmarks/quality_study.py --model olmo2 --steps 250 --configs adamw_hsdp demo_ortho_adam \\
-        --retime 3 --out benchmarks/results/quality_olmo2
+    .venv/bin/python benchmarks/quality/quality_study.py --model olmo2 --steps 250 \\
+        --configs adamw_hsdp demo_ortho_adam \\
+        --retime 3 --out benchmarks/results/quality/quality_olmo2
 
-    .venv/bin/python benchmarks/quality_study.py --model olmo2 --steps 250 --seeds 0 1 2 \\
-        --out benchmarks/results/quality_olmo2
-    .venv/bin/python benchmarks/quality_study.py --report benchmarks/results/quality_olmo2  # table + PNGs
-    .venv/bin/python benchmarks/quality_study.py --model t5 --steps 360 --seeds 0 1 2 \\
-        --out benchmarks/results/quality_t5  # + BLEU, chrF
+    .venv/bin/python benchmarks/quality/quality_study.py --model olmo2 --steps 250 --seeds 0 1 2 \\
+        --out benchmarks/results/quality/quality_olmo2
+    # the table and PNGs
+    .venv/bin/python benchmarks/quality/quality_study.py --report benchmarks/results/quality/quality_olmo2
+    .venv/bin/python benchmarks/quality/quality_study.py --model t5 --steps 360 --seeds 0 1 2 \\
+        --out benchmarks/results/quality/quality_t5  # + BLEU, chrF
 
 OLMo2 trains on ``--offline_text stdlib`` (4.6x the preset's text), so that 250 steps are about
 two epochs rather than twelve.
@@ -29,8 +31,8 @@ the standard library's docstrings (``<out>/base``, saved in the Hub's format, se
 run fine-tunes it on the documentation's prose through the stock script
 (``--model_name_or_path <out>/base --no_from_config --offline_text pydoc``)::
 
-    .venv/bin/python benchmarks/quality_study.py --model olmo2_ft --steps 100 --seeds 0 1 2 \
-        --out benchmarks/results/quality_olmo2_ft
+    .venv/bin/python benchmarks/quality/quality_study.py --model olmo2_ft --steps 100 --seeds 0 1 2 \\
+        --out benchmarks/results/quality/quality_olmo2_ft
 
 Writes ``<out>/runs.json`` (every run, resumable: finished runs are not repeated), and with
 ``--report`` the markdown table and ``loss_vs_steps.png``, ``loss_vs_time_100mbit.png``,
@@ -53,7 +55,7 @@ from pathlib import Path
 
 from hf_flexdemo.config import WIRE_PRESETS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "accelerate_configs" / "cpu_2x2.yaml"
 RATES = {"100mbit": 100e6, "1gbit": 1e9}
 
@@ -117,8 +119,13 @@ WIRE_PROBES = {
     "demo_top36_1bit_ef": "topk=36,value_bits=1,pack_indices=true,index_coding=elias_fano",
     # About 1,000x: 128 x 128 tiles at 1 bit, one scale per 16,384 positions and Elias-Fano indices, so that the
     # bytes of top 4 of 4,096 at 1 bit carry 2 to 4 times its coefficients
-    **{f"demo_top{k}_chunk128_1bit_ef": f"topk={k},chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
-       for k in (16, 20, 22, 24, 28, 32)},
+    **{
+        f"demo_top{k}_chunk128_1bit_ef": f"topk={k},chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
+        for k in (16, 20, 22, 24, 28, 32)
+    },
+    # Issue 45, direction 3 (its simplest form): `wire=2bit`'s exchange every 3 steps, the gradients of the steps
+    # between accumulated in the momentum (replicate_every), so about 1,000x fewer bytes per step than dense
+    "demo_2bit_every3": "topk=32,value_bits=2,pack_indices=true,index_coding=elias_fano,replicate_every=3",
     # Issue 45: most coefficients at positions every replica derives from the decoded updates (no indices), a
     # small top-k with indices beside them. About 1,000x: 64 x 64 tiles, 64 derived at 1 bit and the top 1
     # (143 bits a tile); 128 x 128 tiles, 384 derived and the top 4 (508 bits) or 448 and the top 1 (527 bits).
@@ -155,8 +162,12 @@ DeMo does not send waits in the momentum, so the decay bounds how stale the upda
 CONFIGS |= {
     f"{wire}_ortho_adam_decay{decay:g}": (
         "flexdemo",
-        ",".join(filter(None, ((SIGN_CONFIGS | WIRE_PROBES)[wire], "update=orthogonal,elementwise_update=adam",
-                               f"decay={decay}"))),
+        ",".join(
+            filter(
+                None,
+                ((SIGN_CONFIGS | WIRE_PROBES)[wire], "update=orthogonal,elementwise_update=adam", f"decay={decay}"),
+            )
+        ),
     )
     for wire in ("demo", "demo_2bit", "demo_top24_2bit", "demo_aggressive", "demo_top6_1bit")
     for decay in MOMENTUM_DECAYS
@@ -208,12 +219,16 @@ SWEEPS = {
     # (The other configurations take OLMo2's sweeps there; see below.)
     "olmo2_10x": {  # AdamW-HSDP's and the default's best sat at the bottom of 2e-3..4e-3, so both go to 1e-3;
         # the compressed presets, twice the default's rate at 1.6M, bracket the default's best at 10x and twice it
-        "adamw_hsdp": (1e-3, 2e-3, 4e-3), "demo_ortho_adam": (1e-3, 2e-3, 4e-3),
-        "wire_2bit_ortho_adam": (2e-3, 4e-3), "wire_top128_4bit_ortho_adam": (2e-3, 4e-3),
+        "adamw_hsdp": (1e-3, 2e-3, 4e-3),
+        "demo_ortho_adam": (1e-3, 2e-3, 4e-3),
+        "wire_2bit_ortho_adam": (2e-3, 4e-3),
+        "wire_top128_4bit_ortho_adam": (2e-3, 4e-3),
     },  # fmt: skip
     "olmo2_125m": {
-        "adamw_hsdp": (5e-4, 1e-3, 2e-3), "demo_ortho_adam": (1e-3, 2e-3, 4e-3),
-        "wire_2bit_ortho_adam": (1e-3, 2e-3, 4e-3), "wire_top128_4bit_ortho_adam": (1e-3, 2e-3, 4e-3),
+        "adamw_hsdp": (5e-4, 1e-3, 2e-3),
+        "demo_ortho_adam": (1e-3, 2e-3, 4e-3),
+        "wire_2bit_ortho_adam": (1e-3, 2e-3, 4e-3),
+        "wire_top128_4bit_ortho_adam": (1e-3, 2e-3, 4e-3),
     },  # fmt: skip
     # Fine-tuning: swept from 2.5e-4 (fine-tuning often wants small steps) up to where the loss turns
     # (8e-3 won at the top of 2.5e-4..8e-3 for AdamW-HSDP, demo and orthogonal + adam, hence 1.6e-2).
@@ -245,13 +260,26 @@ PRESETS |= {
     # source: 1,000 steps of 2 x 8 blocks read 8M tokens, less than the text holds.
     "olmo2_125m": (
         "train_olmo2.py",
-        ["--offline_text", "python_source", "--hidden_size", "768", "--num_layers", "12", "--vocab_size", "8192",
-         "--block_size", "512", "--bf16", "--dataloader_num_workers", "2"],
+        [
+            "--offline_text",
+            "python_source",
+            "--hidden_size",
+            "768",
+            "--num_layers",
+            "12",
+            "--vocab_size",
+            "8192",
+            "--block_size",
+            "512",
+            "--bf16",
+            "--dataloader_num_workers",
+            "2",
+        ],
     ),  # fmt: skip
 }
 SCALE_CONFIGS = ("adamw_hsdp", "demo_ortho_adam", "wire_2bit_ortho_adam", "wire_top128_4bit_ortho_adam")
 """AdamW-HSDP, the default (DeMo's wire and the default rule), and the two compressed presets the README leads with."""
-DATA_CACHE = ROOT / "benchmarks" / "results" / "data_cache"
+DATA_CACHE = ROOT / "benchmarks" / "results" / "quality" / "data_cache"
 """The presets at scale keep their tokenizer and tokenized text here (train_olmo2.py --data_cache; not in git)."""
 DRY_RUN = ["--hidden_size", "64", "--num_layers", "2", "--vocab_size", "1024", "--block_size", "64"]
 DRY_RUN += ["--max_train_samples", "256", "--max_eval_samples", "16"]
@@ -292,7 +320,15 @@ def base_model(study_dir: Path) -> Path:
 
 
 def run(
-    model: str, name: str, lr: float, seed: int, steps: int, work: Path, batch: int, base: Path | None, timing=False,
+    model: str,
+    name: str,
+    lr: float,
+    seed: int,
+    steps: int,
+    work: Path,
+    batch: int,
+    base: Path | None,
+    timing=False,
     dry_run: bool = False,
 ) -> dict:
     """One training run; ``timing``: no evaluations, only the time per step is kept."""
@@ -414,13 +450,22 @@ def study(args) -> bool:
         # Every configuration's sweep before any seed: a study cut short still compares them all on seed 0.
         for name in args.configs:
             rates = args.rates.get(name) or swept_rates(args.model, name, runs.items, args.steps)
-            swept = [runs.get(args.model, name, lr, 0, args.steps, Path(tmp), args.batch, base, deadline) for lr in rates]
+            swept = [
+                runs.get(args.model, name, lr, 0, args.steps, Path(tmp), args.batch, base, deadline) for lr in rates
+            ]
             if None in swept:
                 return False
-            best[name] = min(swept, key=lambda r: r["final_eval_loss"] if math.isfinite(r["final_eval_loss"]) else math.inf)
+            best[name] = min(
+                swept, key=lambda r: r["final_eval_loss"] if math.isfinite(r["final_eval_loss"]) else math.inf
+            )
         for name in args.configs:
             for seed in args.seeds:
-                if runs.get(args.model, name, best[name]["lr"], seed, args.steps, Path(tmp), args.batch, base, deadline) is None:
+                if (
+                    runs.get(
+                        args.model, name, best[name]["lr"], seed, args.steps, Path(tmp), args.batch, base, deadline
+                    )
+                    is None
+                ):
                     return False
     return True
 
@@ -622,7 +667,11 @@ def report(out: Path) -> None:
                 ax.plot(xs, mean, style, label=name, linewidth=2.5 if name == "adamw_hsdp" else 1.5)
             ax.set_xlabel("step" if axis == "steps" else f"modelled wall-clock at {axis} (s)")
             ax.set_ylabel("validation loss (mean over seeds)")
-            layout = f"{SIMULATED[model]} replicas simulated in one process" if model in SIMULATED else "2 nodes x 2 processes"
+            layout = (
+                f"{SIMULATED[model]} replicas simulated in one process"
+                if model in SIMULATED
+                else "2 nodes x 2 processes"
+            )
             ax.set_title(f"{model}, offline preset, {layout}")
             ax.legend(fontsize=8)
             fig.tight_layout()
@@ -646,7 +695,7 @@ def main() -> None:
         metavar="CONFIG=LR[:LR...]",
         help="replace a configuration's swept rates (SWEEPS; e.g. demo=2e-3 runs the seeds at 2e-3)",
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality" / "study")
     parser.add_argument("--report", type=Path, help="only write the table and plots of this study directory")
     parser.add_argument(
         "--retime",

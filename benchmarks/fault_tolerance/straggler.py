@@ -23,8 +23,9 @@ per-step seconds in each quorum phase (``flexdemo/seconds_*``, logged per step) 
 timeline (``--plot``). The final models are compared byte for byte, and every ending warning the
 nodes printed is kept.
 
-    .venv/bin/python benchmarks/straggler.py --nodes 3 --processes 1 --script olmo2 \\
-        --out benchmarks/results/straggler_3x1_pause.json --plot benchmarks/results/straggler_3x1_pause.png
+    .venv/bin/python benchmarks/fault_tolerance/straggler.py --nodes 3 --processes 1 --script olmo2 \\
+        --out benchmarks/results/fault_tolerance/straggler_3x1_pause.json \\
+        --plot benchmarks/results/fault_tolerance/straggler_3x1_pause.png
 """
 
 from __future__ import annotations
@@ -34,13 +35,17 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import psutil
-from fault_tolerance import FT_CONFIG, ROOT, Launch, Lighthouse
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness
+
+from harness import FT_CONFIG, ROOT, Launch, Lighthouse  # noqa: E402
 
 SCRIPTS = {"t5": ROOT / "training_scripts" / "train_t5.py", "olmo2": ROOT / "training_scripts" / "train_olmo2.py"}
 CYCLES = {"pause": 3.0, "compute": 0.09}  # seconds of one run-and-stop cycle
@@ -125,9 +130,15 @@ def run(args, work: Path) -> dict:
     try:
         nodes = [
             Launch(
-                FT_CONFIG, work, args.steps, node_env(lighthouse, n, args.nodes), optim_args,
-                ("--seed", str(args.seed), "--weight_decay", str(args.weight_decay)), SCRIPTS[args.script],
-                args.processes, cores_of(n, args.nodes, args.isolate),
+                FT_CONFIG,
+                work,
+                args.steps,
+                node_env(lighthouse, n, args.nodes),
+                optim_args,
+                ("--seed", str(args.seed), "--weight_decay", str(args.weight_decay)),
+                SCRIPTS[args.script],
+                args.processes,
+                cores_of(n, args.nodes, args.isolate),
             )  # fmt: skip
             for n in range(args.nodes)
         ]
@@ -247,7 +258,9 @@ def main() -> None:
     parser.add_argument("--join-timeout-ms", type=int, default=500, help="the Lighthouse's --join_timeout_ms")
     parser.add_argument("--seed", type=int, default=42, help="the training script's seed (data order, init)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="the training script's --weight_decay")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "straggler.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "fault_tolerance" / "straggler.json"
+    )
     parser.add_argument("--plot", type=Path, help="write the per-step timeline here (PNG)")
     parser.add_argument("--keep", type=Path, help="write the runs' logs here (default: a temporary folder)")
     args = parser.parse_args()

@@ -7,7 +7,7 @@ trains on alone: first for ``--short-steps`` of node 0's commits (it then replay
 more than ``replay_steps`` (it then copies the whole state). Read from node 1's own lines: the
 steps it missed and the bytes each catch-up moved to one process, against a copy's.
 
-    .venv/bin/python benchmarks/catch_up.py --out benchmarks/results/catch_up.json
+    .venv/bin/python benchmarks/fault_tolerance/catch_up.py --out benchmarks/results/fault_tolerance/catch_up.json
 """
 
 from __future__ import annotations
@@ -16,12 +16,16 @@ import argparse
 import json
 import re
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
-from fault_tolerance import FT_CONFIG, Launch, Lighthouse
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness
+
+from harness import FT_CONFIG, ROOT, Launch, Lighthouse  # noqa: E402
 
 REPLAY = re.compile(
     r"missed (\d+) committed step\(s\) and catches up .*\(([\d.]+) MB on this process; .* ([\d.]+) MB\)"
@@ -68,7 +72,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--replay-steps", type=int, default=8)
     parser.add_argument("--short-steps", type=int, default=3, help="node 0's commits alone in the first freeze")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "catch_up.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "fault_tolerance" / "catch_up.json"
+    )
     args = parser.parse_args()
     optim_args = f"fault_tolerance=torchft,ft_timeout=5,quorum_timeout=120,replay_steps={args.replay_steps}"
     with tempfile.TemporaryDirectory() as tmp:

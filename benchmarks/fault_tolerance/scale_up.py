@@ -13,7 +13,8 @@ Measured: samples committed per step before and after the join (the logged
 ``flexdemo/samples_per_step``), how long node 2 took from its start to its first step in the
 quorum, the final evaluation loss of each run, and whether the nodes saved identical models.
 
-    .venv/bin/python benchmarks/scale_up.py --seeds 1 2 3 --out benchmarks/results/scale_up.json
+    .venv/bin/python benchmarks/fault_tolerance/scale_up.py --seeds 1 2 3 \\
+        --out benchmarks/results/fault_tolerance/scale_up.json
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from fault_tolerance import FT_CONFIG, Launch, Lighthouse
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared harness
+
+from harness import FT_CONFIG, ROOT, Launch, Lighthouse  # noqa: E402
 
 OPTIM_ARGS = "fault_tolerance=torchft,ft_timeout=30,quorum_timeout=120"
 
@@ -149,7 +153,9 @@ def main() -> None:
     parser.add_argument("--join-at", type=int, default=50, help="node 2 starts once this many steps are committed")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--eval-samples", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "scale_up.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "fault_tolerance" / "scale_up.json"
+    )
     parser.add_argument("--summarize", action="store_true", help="recompute the summary and plot of --out only")
     args = parser.parse_args()
     settings = {"steps": args.steps, "join_at": args.join_at, "optim_args": OPTIM_ARGS, "eval": args.eval_samples}

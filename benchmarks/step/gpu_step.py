@@ -1,9 +1,9 @@
 """FlexDeMo's optimizer step on a GPU: bf16, NCCL, T5-small and OLMo2-1B shapes, against AdamW.
 
     # one GPU: the step's compute, phase by phase
-    python benchmarks/gpu_step.py --model olmo2-1b
+    python benchmarks/step/gpu_step.py --model olmo2-1b
     # one process per GPU, each a replica (NCCL): adds the real exchange and AdamW-HSDP's all-reduce
-    torchrun --standalone --nproc-per-node 8 benchmarks/gpu_step.py --model olmo2-1b
+    torchrun --standalone --nproc-per-node 8 benchmarks/step/gpu_step.py --model olmo2-1b
 
 Parameters and gradients are bf16 on the GPU (FlexDeMo keeps its momentum in float32).
 Times are medians over ``--repeats`` runs of ``--steps`` steps after one warm-up run,
@@ -19,8 +19,8 @@ Refuses to run without CUDA (``--node_of N --dry_run`` below excepted): CPU figu
 ``--node_of N``: one GPU measures what ONE rank of a node of N GPUs does per step (FSDP2 inside
 the node, one node of the job)::
 
-    python benchmarks/gpu_step.py --model olmo2-1b --node_of 8 --fwd_bwd
-    python benchmarks/gpu_step.py --model olmo2-1b --node_of 8 --dry_run   # the plan alone, no GPU
+    python benchmarks/step/gpu_step.py --model olmo2-1b --node_of 8 --fwd_bwd
+    python benchmarks/step/gpu_step.py --model olmo2-1b --node_of 8 --dry_run   # the plan alone, no GPU
 
 - Every parameter at its FSDP2 shard shape: FSDP2 cuts dim 0 as ``torch.chunk`` does,
   ``ceil(rows / N)`` rows per rank, the last ranks shorter or empty; rank 0's shard, the
@@ -215,7 +215,7 @@ def node_shard_plan(model: torch.nn.Module, n: int, rank: int = 0) -> NodeShardP
     whole matrices it owns under the default rule.
 
     The groups are the Trainer's (embeddings and heads apart, ``elementwise_parameters``), the buckets
-    ``build_buckets``'s over the whole shapes, batched for the rule as ``FlexDeMo._decode_and_apply``
+    ``build_buckets``'s over the whole shapes, batched for the rule as ``FlexDeMo.decode_and_apply``
     does (a batch closes at ``bucket_entries`` whole entries), and each batch's matrices dealt by
     ``deal_owners``, as ``_orthogonalize_by_owner`` deals them.
     """
@@ -364,7 +364,9 @@ def node_of_main(args: argparse.Namespace) -> None:
     if args.device == "cpu" and not args.dry_run and args.model != "t5-small":
         raise SystemExit("--device cpu is a smoke test: use it with --model t5-small (or --dry_run); figures need CUDA")
     if args.device == "cuda" and not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gpu_step.py needs a CUDA GPU; --dry_run prints the --node_of plan without one.")
+        raise SystemExit(
+            "benchmarks/step/gpu_step.py needs a CUDA GPU; --dry_run prints the --node_of plan without one."
+        )
     plan = node_shard_plan(build_model(args.model), args.node_of)
     if args.dry_run:  # no device: the dtype the rule takes on a GPU of compute capability 8.0 or newer
         ns_dtype = NS_DTYPES[args.ns_dtype or "bf16"]
@@ -429,7 +431,7 @@ def main() -> None:
     if args.dry_run or args.device != "cuda" or args.ns_dtype:
         raise SystemExit("--dry_run, --device and --ns_dtype apply to --node_of N.")
     if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gpu_step.py needs a CUDA GPU; on CPU run benchmarks/optimizer_step.py.")
+        raise SystemExit("benchmarks/step/gpu_step.py needs a CUDA GPU; on CPU run benchmarks/step/optimizer_step.py.")
 
     mesh = None
     if "WORLD_SIZE" in os.environ:
@@ -458,7 +460,10 @@ def main() -> None:
         "flexdemo demo, triton kernels": {"update": "sign", "kernels": "triton"},
         "flexdemo default rule, triton kernels": {"kernels": "triton"},
         "flexdemo top 24 at 2 bits, triton kernels": {
-            "topk": 24, "value_bits": 2, "pack_indices": True, "kernels": "triton"
+            "topk": 24,
+            "value_bits": 2,
+            "pack_indices": True,
+            "kernels": "triton",
         },  # fmt: skip
     }
     if args.only:
