@@ -23,6 +23,8 @@ NS_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "float32": torch.fl
 """Newton-Schulz's arithmetic (update='orthogonal'); ``auto`` picks one by device
 (:func:`hf_flexdemo.updates.orthogonal.newton_schulz_dtype`)."""
 NS_DTYPE_CHOICES = ("auto", *NS_DTYPES)
+NS_STEP_CHOICES = (3, 4, 5)
+"""``ns_steps``: Newton-Schulz iterations (5: Muon's; 3 and 4: quintics fitted per iteration)."""
 
 VALUE_DTYPES: dict[str, torch.dtype | None] = {
     "param": None,
@@ -110,6 +112,15 @@ class FlexDeMoConfig:
             "BF16 or AMX), float32 elsewhere (a CPU without them emulates bf16: 2.4x slower than float32 with AVX-512, "
             "about 16x with AVX2 only). 'bf16' (as Muon) or 'float32' forces one. The update is normalised in float32 "
             "first, so tiny updates stay exact in scale."
+        },
+    )
+    ns_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "update='orthogonal': Newton-Schulz iterations per step. None (default): Muon's five, one quintic "
+            "five times. 4 or 3: fewer products (a fifth or two fifths fewer), each iteration with its own quintic, "
+            "fitted to what the ones before it leave; a rougher orthogonalization (probed on one preset, see "
+            "docs/update-rules.md)."
         },
     )
     decode: str = field(
@@ -291,6 +302,13 @@ class FlexDeMoConfig:
                 f"FlexDeMo: ns_dtype={self.ns_dtype!r} applies to update='orthogonal' (its Newton-Schulz "
                 f"iteration), but update is {self.update!r}; drop ns_dtype, or set update='orthogonal'."
             )
+        if self.ns_steps is not None:
+            _check_choice("ns_steps", self.ns_steps, NS_STEP_CHOICES)
+            if self.update != "orthogonal":  # it would be ignored
+                raise ValueError(
+                    f"FlexDeMo: ns_steps={self.ns_steps!r} applies to update='orthogonal' (its Newton-Schulz "
+                    f"iteration), but update is {self.update!r}; drop ns_steps, or set update='orthogonal'."
+                )
         _check_choice("value_dtype", self.value_dtype, tuple(VALUE_DTYPES))
         _check_int("replicate_every", self.replicate_every, low=1)
         if self.replicate_every != 1 and not self.traits.per_step:
@@ -507,6 +525,7 @@ class FlexDeMoConfig:
             keys += ["sign"] if self.update == "sign" else []  # sign=False: the decoded update as it is
             keys += ["elementwise_update"] if self.update == "orthogonal" else []
             keys += ["ns_dtype"] if self.update == "orthogonal" and self.ns_dtype != "auto" else []
+            keys += ["ns_steps"] if self.update == "orthogonal" and self.ns_steps is not None else []
             keys += ["decode"] if traits.dct and not self.shared_indices else []  # shared: a sum
             keys += ["rate"] if traits.subset else []
             keys += ["value_dtype", "replicate_every"] if traits.sends else []

@@ -46,6 +46,9 @@ BAD = [
     (dict(ns_dtype="fp16"), "ns_dtype='fp16'", "'bf16', 'float32'"),
     (dict(update="sign", ns_dtype="float32"), "ns_dtype='float32'", "update='orthogonal'"),
     (dict(update="sign", ns_dtype="bf16"), "ns_dtype='bf16'", "update='orthogonal'"),
+    (dict(ns_steps=2), "ns_steps=2", "3, 4, 5"),
+    (dict(update="adam", ns_steps=4), "ns_steps=4", "update='orthogonal'"),
+    (dict(update="sign", ns_steps=5), "ns_steps=5", "drop ns_steps"),  # refused whatever its value
     (dict(replay_steps=-1), "replay_steps=-1", ">= 0"),
     (dict(fault_tolerance="torchft", join_quorum="late"), "join_quorum='late'", "'before_forward', 'when_ready'"),
     (dict(join_quorum="when_ready"), "join_quorum='when_ready'", "fault_tolerance=torchft"),

@@ -97,7 +97,7 @@ def test_dense_all_reduce_counterfactual_and_compression(ranks):
 @pytest.mark.parametrize(
     "config",
     ["demo", "demo_sign_mean", "demo_packed", "demo_elias_fano", "demo_every2", "random", "striding", "full", "none", "diloco"]
-    + ["demo_adam", "full_adam", "demo_ortho", "full_ortho", "demo_ortho_adam"],
+    + ["demo_adam", "full_adam", "demo_ortho", "full_ortho", "demo_ortho_adam", "demo_ortho_ns3"],
 )
 def test_sharded_replicas_match_the_one_process_reference(ranks, config):
     # Orthogonal: Newton-Schulz runs in float32 on both sides (on the whole matrix, gathered inside the node),

@@ -51,6 +51,21 @@ def test_rules_take_different_steps_from_the_same_update():
     assert not torch.allclose(moved["sign"], moved["orthogonal"])
 
 
+@pytest.mark.parametrize(("steps", "low", "high"), [(3, 0.127, 1.871), (4, 0.422, 1.578), (5, 0.471, 1.202)])
+@pytest.mark.parametrize("shape", [(48, 64), (64, 48)])
+def test_fewer_newton_schulz_steps_keep_the_singular_values_in_their_schedules_interval(steps, low, high, shape):
+    """ns_steps: the singular values of an update whose spectrum, divided by its norm, lies within [1e-3, 1] end
+    in the interval its schedule maps [1e-3, 1] to (NS_SCHEDULES' docstring), with the same singular vectors."""
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    assert torch.linalg.svdvals(g).min() / torch.linalg.norm(g) > 1e-3
+    o = newton_schulz(g, steps=steps).double()
+    singular = torch.linalg.svdvals(o)
+    assert low - 1e-3 < singular.min() and singular.max() < high + 1e-3, singular
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    inner = u.T @ o @ vh.T
+    assert (inner - torch.diag(torch.diagonal(inner))).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("shape", [(20, 12), (12, 20), (64, 64)])
 def test_newton_schulz_pushes_singular_values_towards_one(shape):
     g = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)

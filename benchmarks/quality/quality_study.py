@@ -172,6 +172,16 @@ CONFIGS |= {
     for wire in ("demo", "demo_2bit", "demo_top24_2bit", "demo_aggressive", "demo_top6_1bit")
     for decay in MOMENTUM_DECAYS
 }
+CONFIGS |= {
+    f"{wire}_ortho_adam_ns{steps}": (
+        "flexdemo",
+        ",".join(filter(None, (SIGN_CONFIGS[wire], f"update=orthogonal,elementwise_update=adam,ns_steps={steps}"))),
+    )
+    for wire in ("demo", "demo_2bit")
+    for steps in (3, 4)
+}
+"""Issue 46: Newton-Schulz with fewer iterations (``ns_steps``), on the default wire and on ``wire=2bit``'s
+coefficients."""
 
 # The learning rates swept on seed 0, per model. OLMo2's come from the 150-step pilot
 # (BENCHMARKS.md): each configuration's best rate there and twice it where the best sat at the
@@ -181,7 +191,9 @@ CONFIGS |= {
 SIGN_UPDATE = (4e-3, 8e-3)
 AT_DEMOS_T5_RATE = ("demo_bf16", "demo_sign", "demo_4bit", "demo_2bit", "demo_top16_2bit", "demo_top24_2bit")
 AT_DEMOS_T5_RATE += ("demo_top64_2bit", "demo_aggressive", "demo_shared", "full", "random", "striding")
-UPDATE_RULE_CONFIGS = tuple(name for name in CONFIGS if name.endswith(("_adam", "_ortho")) or "_decay" in name)
+UPDATE_RULE_CONFIGS = tuple(
+    name for name in CONFIGS if name.endswith(("_adam", "_ortho")) or "_decay" in name or "_ortho_adam_ns" in name
+)
 UPDATE_RULE_RATES = (4e-3, 8e-3, 1.6e-2)
 """The rules take steps of about a sign step's size per entry: swept around sign's best (OLMo2's 8e-3),
 extended downwards where the best sat at the bottom."""

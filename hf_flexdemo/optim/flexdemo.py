@@ -104,6 +104,7 @@ class FlexDeMo(torch.optim.Optimizer):
         update: str | None = None,
         elementwise_update: str | None = None,
         ns_dtype: str = "auto",
+        ns_steps: int | None = None,
         decode: str = "selected",
         value_dtype: str = "param",
         scheme: str = "demo",

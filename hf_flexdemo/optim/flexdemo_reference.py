@@ -17,7 +17,7 @@ import math
 import torch
 
 from ..config import DEFAULT_ELEMENTWISE_UPDATE, default_update
-from ..updates.orthogonal import newton_schulz_dtype
+from ..updates.orthogonal import NS_SCHEDULES, newton_schulz_dtype
 
 
 def _divisor(n: int, limit: int) -> int:
@@ -51,14 +51,14 @@ def _tiles(rows: int, cols: int, chunk: int):
 
 
 def _newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Muon's quintic iteration in ``dtype``, after normalising in float32: X <- a X + (b X X^T + c (X X^T)^2) X."""
-    a, b, c = 3.4445, -4.7750, 2.0315
+    """The quintic iteration in ``dtype``, after normalising in float32: X <- a X + (b X X^T + c (X X^T)^2) X, with
+    each iteration's (a, b, c) from ``ns_steps``' schedule (Muon's five, or fewer fitted ones)."""
     x = g.to(torch.float32)
     x = (x / (x.norm() + torch.finfo(torch.float32).tiny)).to(dtype)
     transposed = x.shape[0] > x.shape[1]
     if transposed:
         x = x.T
-    for _ in range(steps):
+    for a, b, c in NS_SCHEDULES[steps]:
         xxt = x @ x.T
         x = a * x + (b * xxt + c * xxt @ xxt) @ x
     return x.T if transposed else x
@@ -78,6 +78,7 @@ class FlexDeMoReference:
             "update": None,  # None: as FlexDeMoConfig resolves it
             "elementwise_update": None,
             "ns_dtype": "auto",
+            "ns_steps": None,
             "decode": "selected",
             "scheme": "demo",
             "replicate_every": 1,
@@ -151,7 +152,7 @@ class FlexDeMoReference:
         elif rule == "orthogonal":
             whole, start = self.gather_rows(update.reshape(p.shape))
             dtype = newton_schulz_dtype(hp["ns_dtype"], p.device)
-            ortho = _newton_schulz(whole, dtype=dtype).float() * math.sqrt(max(whole.shape))
+            ortho = _newton_schulz(whole, steps=hp["ns_steps"] or 5, dtype=dtype).float() * math.sqrt(max(whole.shape))
             p -= hp["lr"] * ortho[start : start + p.shape[0]].to(p.dtype)
         else:
             flat[at] -= hp["lr"] * (u.sign() if hp["sign"] else u)

@@ -55,14 +55,30 @@ logger = logging.getLogger(__name__)
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic of Muon's Newton-Schulz iteration: fast growth of small singular values."""
 NS_STEPS = 5
+FITTED_QUINTICS = (
+    (8.4546, -24.9758, 18.5127),
+    (3.8997, -2.5437, 0.4562),
+    (3.8683, -2.7151, 0.4860),
+    (3.3587, -2.5221, 0.5151),
+)
+"""One quintic per iteration, each fitted to the interval of singular values the ones before it leave (from
+``[1e-3, 1]``; ``benchmarks/probes/ns_coefficients.py`` derives them): three of them take ``[1e-3, 1]`` to
+``[0.13, 1.87]``, four to ``[0.42, 1.58]``; Muon's five, to ``[0.47, 1.20]``."""
+NS_SCHEDULES: dict[int, tuple[tuple[float, float, float], ...]] = {
+    5: (NS_COEFFICIENTS,) * NS_STEPS,
+    4: FITTED_QUINTICS,
+    3: FITTED_QUINTICS[:3],
+}
+"""``ns_steps``: the quintic of each iteration. Five are Muon's; fewer are fitted, one per iteration."""
 
 
 def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Approximately semi-orthogonal matrices with the singular vectors of ``matrix`` (``(..., rows, cols)``).
 
-    Iterates in ``dtype`` on the last two dimensions, so a stack of matrices is one batched product.
+    Iterates in ``dtype`` on the last two dimensions, so a stack of matrices is one batched product; ``steps``
+    picks the iterations' quintics (:data:`NS_SCHEDULES`).
     """
-    a, b, c = NS_COEFFICIENTS
+    schedule = NS_SCHEDULES[steps]
     x = matrix.to(torch.float32)
     # Singular values into [0, 1], where the iteration converges. The update's scale (lr * grad) can be
     # tiny: its squares would vanish in float32, so the norm sums them in float64, and the guard against a
@@ -73,7 +89,7 @@ def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtyp
     if not wide:
         x = x.mT  # iterate on the smaller Gram matrix
     batched = x.unsqueeze(0) if x.dim() == 2 else x.reshape(-1, *x.shape[-2:])
-    for step in range(steps):
+    for step, (a, b, c) in enumerate(schedule):
         gram = batched @ batched.mT
         polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b * G + c * G @ G
         if step == steps - 1 and not wide:  # the last product transposed: the tall result comes out contiguous
@@ -146,6 +162,8 @@ class OrthogonalRule(UpdateRule):
         self.elementwise = (AdamRule if config.elementwise_update == "adam" else SignRule)(config)
         self.state_keys = self.elementwise.state_keys
         self.dtype: torch.dtype | None = None
+        self.steps = config.ns_steps or NS_STEPS
+        """Newton-Schulz's iterations (``ns_steps``; Muon's five unless given)."""
         """Newton-Schulz's dtype, settled at the first step (``ns_dtype='auto'`` depends on the devices)."""
 
     def init_state(self, bucket: Bucket) -> None:
@@ -174,12 +192,14 @@ class OrthogonalRule(UpdateRule):
             shards = _row_shards(item.bucket.slots[0].state.param)
             if shards is None:
                 bucket = item.bucket
-                ortho = newton_schulz(item.update.view(bucket.count, *bucket.shape), dtype=self.dtype)
+                whole = item.update.view(bucket.count, *bucket.shape)
+                ortho = newton_schulz(whole, steps=self.steps, dtype=self.dtype)
                 self.subtract(item, ortho, scale=step_scale(bucket.full_shape))
             else:
                 by_group[shards].append(item)
         for (group, size, rank), items in by_group.items():
-            for item, ortho in zip(items, _orthogonalize_by_owner(items, group, size, rank, self.dtype)):
+            owned = _orthogonalize_by_owner(items, group, size, rank, self.dtype, self.steps)
+            for item, ortho in zip(items, owned):
                 self.subtract(item, ortho, scale=step_scale(item.bucket.full_shape))
 
 
@@ -189,10 +209,12 @@ def step_scale(shape: torch.Size | tuple[int, ...]) -> float:
     return math.sqrt(max(shape[-2:]))
 
 
-def scaled_newton_schulz(whole: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def scaled_newton_schulz(
+    whole: torch.Tensor, dtype: torch.dtype = torch.float32, steps: int = NS_STEPS
+) -> torch.Tensor:
     """``step_scale * NS(whole)`` for each ``rows x cols`` matrix: the step per unit of ``lr`` (for benchmarks and
     tests; the rule scales in its subtraction)."""
-    return newton_schulz(whole, dtype=dtype).mul_(step_scale(whole.shape))
+    return newton_schulz(whole, steps=steps, dtype=dtype).mul_(step_scale(whole.shape))
 
 
 @functools.lru_cache(maxsize=16)  # the same buckets every step: dealt once per set of shapes
@@ -215,7 +237,12 @@ def deal_owners(buckets: tuple[tuple[int, int], ...], size: int) -> tuple[tuple[
 
 
 def _orthogonalize_by_owner(
-    items: list[Decoded], group: dist.ProcessGroup, size: int, rank: int, dtype: torch.dtype = torch.float32
+    items: list[Decoded],
+    group: dist.ProcessGroup,
+    size: int,
+    rank: int,
+    dtype: torch.dtype = torch.float32,
+    steps: int = NS_STEPS,
 ) -> list[torch.Tensor]:
     """This process's rows of each bucket's orthogonalizations (unscaled), each matrix computed by its owner.
 
@@ -249,7 +276,7 @@ def _orthogonalize_by_owner(
             continue
         stacked = received[:, start : start + mine * block[j]].reshape(size, mine, per, cols)
         whole = stacked.transpose(0, 1).reshape(mine, size * per, cols)[:, :rows]
-        ortho = torch.nn.functional.pad(newton_schulz(whole, dtype=dtype), (0, 0, 0, size * per - rows))
+        ortho = torch.nn.functional.pad(newton_schulz(whole, steps=steps, dtype=dtype), (0, 0, 0, size * per - rows))
         results.append(ortho.view(mine, size, per, cols).transpose(0, 1).reshape(size, mine * block[j]))
         start += mine * block[j]
     # Back: to each process q, its rows of every matrix this process owns, in the same order.

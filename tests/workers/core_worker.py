@@ -135,6 +135,7 @@ def check_oracle(mesh, coords) -> dict:
         "demo_ortho": dict(scheme="demo", update="orthogonal", elementwise_update="sign", ns_dtype="float32"),
         "full_ortho": dict(scheme="full", update="orthogonal", elementwise_update="sign", ns_dtype="float32"),
         "demo_ortho_adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam", ns_dtype="float32"),
+        "demo_ortho_ns3": dict(scheme="demo", update="orthogonal", elementwise_update="adam", ns_dtype="float32", ns_steps=3),
     }
     group = mesh["replicate"].get_group()
     replicas = mesh["replicate"].size()
