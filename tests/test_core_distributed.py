@@ -103,7 +103,9 @@ def test_sharded_replicas_match_the_one_process_reference(ranks, config):
     # Orthogonal: Newton-Schulz runs in float32 on both sides (on the whole matrix, gathered inside the node),
     # here as a batched product with fused additions, there as a plain one. The iterates differ by float32
     # ulps, which the iteration's growth of small singular values amplifies: 8 steps of lr 0.05 stay under 1e-5.
-    tolerance = 1e-5 if "ortho" in config else 1e-12
+    # ns_steps=3's first quintic grows small singular values by 8.45 (Muon's by 3.44), and those ulps with them:
+    # 3.4e-5 here, where a wrong schedule would differ by about lr (5e-2).
+    tolerance = 1e-4 if config.endswith("_ns3") else 1e-5 if "ortho" in config else 1e-12
     for rank in ranks:
         result = rank["oracle"][config]
         assert result["max_abs_err"] <= tolerance * max(1.0, result["scale"]), result

@@ -275,7 +275,10 @@ def test_a_node_started_mid_run_heals_once_reads_its_own_data_and_the_job_grows(
     """NUM_REPLICA_GROUPS=3 declares the job's most nodes; nodes 0 and 1 start, node 2 joins later."""
     rows = 1200  # 400 a node: 100 steps of 4 before a node sees its share twice
     flags = [*TINY, "--max_steps", "40", "--step_delay", "0.05", "--logging_steps", "2", "--record_samples"]
-    flags += ["--train_rows", str(rows), *ft_args()]
+    # stall_wait=0: nodes 0 and 1 are slowed (3 s a step) until node 2 trains, and node 2 waits for them meanwhile,
+    # so one of them may rightly sit out for a few seconds (the default slow-node protection), which the samples
+    # per step below would count as a shrink (it did once in a clean CI run: 8 samples from node 2's second step)
+    flags += ["--train_rows", str(rows), *ft_args(",stall_wait=0")]
     slow = tmp_path / "slow_until_node2_trains"  # the others still train when node 2 arrives
     slow_nodes = ("--slow_while", str(slow), *LATE_NODE_WAIT)
     nodes = nodes_of(3, patient_lighthouse, tmp_path, *flags, processes=1, extra={0: slow_nodes, 1: slow_nodes})
