@@ -532,3 +532,12 @@ def test_a_sharded_checkpoint_of_other_rules_is_refused_before_torchs_loader_fai
         opt = FlexDeMo(model.parameters(), lr=1e-2, elementwise=[], **resumed)
         with pytest.raises(CheckpointException):
             dcp.load({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(checkpoint / "optimizer_0"))
+
+
+def test_the_ns_steps_a_config_accepts_are_the_schedules_the_rule_has():
+    """config.py cannot import the rule (imports point one way), so it names the choices again: kept in step here."""
+    from hf_flexdemo.config import NS_STEP_CHOICES
+    from hf_flexdemo.updates.orthogonal import NS_SCHEDULES
+
+    assert set(NS_STEP_CHOICES) == set(NS_SCHEDULES)
+    assert all(len(schedule) == steps for steps, schedule in NS_SCHEDULES.items())
