@@ -1,7 +1,8 @@
 """MkDocs hooks (``hooks:`` in mkdocs.yml). Two jobs, both so that the site cannot drift from the repository:
 
-- the settings reference: ``docs/settings.md`` holds a marker line, replaced at build time by a table made from
-  :class:`hf_flexdemo.FlexDeMoConfig`'s dataclass fields (name, type, default, ``metadata["help"]``);
+- the settings reference: ``docs/settings.md`` holds a marker line, replaced at build time by one table per group of
+  :class:`hf_flexdemo.FlexDeMoConfig`'s settings (``SETTING_GROUPS``), made from their dataclass fields (name, type,
+  default, ``metadata["help"]``);
 - the repository's own Markdown: ``README.md`` becomes the home page and ``BENCHMARKS.md`` the benchmark results,
   with the plots they show, and every relative link is written as it works on GitHub (from the file's place in
   the repository, ``docs/...`` included) and mapped here to the page or file it names on the site.
@@ -75,31 +76,36 @@ def _site_link(match: re.Match, repo_page: str, site_page: str) -> str:
 
 
 def settings_table() -> str:
-    """One row per field of FlexDeMoConfig, in the dataclass's order."""
+    """One table per group of FlexDeMoConfig's settings (``SETTING_GROUPS``), one row per field, in the code's order."""
     sys.path.insert(0, str(ROOT))
-    from hf_flexdemo.config import GROUP_KEYS, FlexDeMoConfig
+    from hf_flexdemo.config import GROUP_KEYS, SETTING_GROUPS
 
     flags = _trainer_flags()
-    rows = [
-        "| setting | type | default | set with | per group | meaning |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for field in dataclasses.fields(FlexDeMoConfig):
-        help_text = field.metadata.get("help", "")
-        if not help_text:
-            log.warning("FlexDeMoConfig.%s has no metadata['help']: the settings page needs one", field.name)
-        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-        where = f"`{flags[field.name]}`" if field.name in flags else "`optim_args`"
-        cells = [
-            f"`{field.name}`",
-            f"`{str(field.type).replace(' | ', ' or ')}`",
-            f"`{_cell(_default(default))}`",
-            where,
-            "yes" if field.name in GROUP_KEYS else "",
-            _cell(help_text),
+    sections = []
+    for group in SETTING_GROUPS:
+        rows = [
+            f"### {group.__name__}: {group.__doc__.strip().splitlines()[0]}",
+            "",
+            "| setting | type | default | set with | per group | meaning |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+        for field in dataclasses.fields(group):
+            help_text = field.metadata.get("help", "")
+            if not help_text:
+                log.warning("FlexDeMoConfig.%s has no metadata['help']: the settings page needs one", field.name)
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            where = f"`{flags[field.name]}`" if field.name in flags else "`optim_args`"
+            cells = [
+                f"`{field.name}`",
+                f"`{str(field.type).replace(' | ', ' or ')}`",
+                f"`{_cell(_default(default))}`",
+                where,
+                "yes" if field.name in GROUP_KEYS else "",
+                _cell(help_text),
+            ]
+            rows.append("| " + " | ".join(cells) + " |")
+        sections.append("\n".join(rows))
+    return "\n\n".join(sections)
 
 
 def _trainer_flags() -> dict[str, str]:

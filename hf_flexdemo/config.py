@@ -72,21 +72,13 @@ SHARED_KEYS = ("lr", "weight_decay", "betas", "eps")
 """Hyperparameters other optimizers take as well (from ``TrainingArguments``)."""
 
 
-@dataclass
-class FlexDeMoConfig:
-    """Hyperparameters of FlexDeMo and its replication schemes.
-
-    Example::
-
-        FlexDeMoConfig(lr=3e-4, topk=32, chunk=64, scheme="demo")
-        FlexDeMoConfig.from_optim_args("scheme=diloco,inner_steps=50")
-    """
+@dataclass(kw_only=True)
+class RuleSettings:
+    """The step: the momentum, and how the decoded update becomes a parameter step."""
 
     lr: float = field(default=1e-3, metadata={"help": "Step size (update='sign': each entry moves by lr)."})
     weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay: p *= 1 - lr * wd."})
     decay: float = field(default=0.999, metadata={"help": "Momentum decay beta: m = beta * m + lr * grad."})
-    topk: int = field(default=32, metadata={"help": "DCT coefficients sent per tile (demo)."})
-    chunk: int = field(default=64, metadata={"help": "Largest tile side of the chunked DCT (demo)."})
     sign: bool = field(default=True, metadata={"help": "update='sign': apply the sign of the decoded update."})
     update: str | None = field(
         default=None,
@@ -123,19 +115,44 @@ class FlexDeMoConfig:
             "docs/update-rules.md)."
         },
     )
-    decode: str = field(
-        default="selected",
-        metadata={"help": "demo: average a coefficient over the replicas that sent it ('selected') or all ('mean')."},
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.999), metadata={"help": "diloco, sparseloco: inner AdamW betas; update='adam': beta2."}
     )
-    value_dtype: str = field(
-        default="param", metadata={"help": "dtype of values on the wire: 'param', 'bf16', 'fp16' or 'fp32'."}
+    eps: float = field(
+        default=1e-8, metadata={"help": "diloco, sparseloco: inner AdamW epsilon; update='adam': its epsilon."}
     )
+
+    def _check_rule(self) -> None:
+        """Once ``update`` is resolved (:meth:`FlexDeMoConfig._resolve_rules`): Newton-Schulz's settings need its
+        rule."""
+        _check_choice("ns_dtype", self.ns_dtype, NS_DTYPE_CHOICES)
+        if self.ns_steps is not None:
+            _check_choice("ns_steps", self.ns_steps, NS_STEP_CHOICES)
+        for name in ("ns_dtype", "ns_steps"):
+            value = getattr(self, name)
+            if value not in (None, "auto") and self.update != "orthogonal":  # it would be ignored
+                raise ValueError(
+                    f"FlexDeMo: {name}={value!r} applies to update='orthogonal' (its Newton-Schulz iteration), but "
+                    f"update is {self.update!r}; drop {name}, or set update='orthogonal'."
+                )
+
+
+@dataclass(kw_only=True)
+class ReplicationSettings:
+    """The exchange: which scheme, what it sends of the momentum, and when."""
+
     scheme: str = field(
         default="demo",
         metadata={
             "help": "Replication scheme: 'demo' (the default), 'random', 'striding', 'diloco', 'sparseloco', 'full' "
             "or 'none'."
         },
+    )
+    topk: int = field(default=32, metadata={"help": "DCT coefficients sent per tile (demo)."})
+    chunk: int = field(default=64, metadata={"help": "Largest tile side of the chunked DCT (demo)."})
+    decode: str = field(
+        default="selected",
+        metadata={"help": "demo: average a coefficient over the replicas that sent it ('selected') or all ('mean')."},
     )
     replicate_every: int = field(
         default=1, metadata={"help": "Per-step schemes: replicate every N optimizer steps, accumulate in between."}
@@ -155,48 +172,9 @@ class FlexDeMoConfig:
         default=0.9,
         metadata={"help": "diloco: momentum of the outer Nesterov SGD; sparseloco: decay of the error feedback."},
     )
-    betas: tuple[float, float] = field(
-        default=(0.9, 0.999), metadata={"help": "diloco, sparseloco: inner AdamW betas; update='adam': beta2."}
-    )
-    eps: float = field(
-        default=1e-8, metadata={"help": "diloco, sparseloco: inner AdamW epsilon; update='adam': its epsilon."}
-    )
     overlap: bool = field(
         default=False,
         metadata={"help": "Per-step schemes: apply each step's exchange one step late, hiding it behind compute."},
-    )
-    value_bits: int = field(
-        default=0,
-        metadata={
-            "help": "demo, sparseloco: 0 sends values in value_dtype; 1 their signs and each tile's mean "
-            "magnitude; 2, 4 or 8 a symmetric integer code per value and one float32 scale per tile. The "
-            "rounding error stays in the momentum (error feedback)."
-        },
-    )
-    rounding: str = field(
-        default="nearest",
-        metadata={"help": "value_bits 2, 4, 8: 'nearest' or 'stochastic' (unbiased) rounding."},
-    )
-    wire: str | None = field(
-        default=None,
-        metadata={
-            "help": f"demo: a measured wire format by name, one of {sorted(WIRE_PRESETS)}; it sets {WIRE_KNOBS} "
-            "(a knob also given must agree with it). Unset: the knobs as given."
-        },
-    )
-    pack_indices: bool = field(
-        default=False,
-        metadata={
-            "help": "demo, sparseloco: send each index in the bits a tile position needs (12 for 64x64), not 16."
-        },
-    )
-    index_coding: str = field(
-        default="fixed",
-        metadata={
-            "help": "demo, sparseloco, with pack_indices=True: 'fixed' gives every index the same bits; "
-            "'elias_fano' codes each tile's ascending indices in at most 2 + log2(tile / topk) bits each (9 for "
-            "top 32 of 64x64, 7.3 for top 96): the same indices, fewer bytes."
-        },
     )
     shared_indices: bool = field(
         default=False,
@@ -215,6 +193,91 @@ class FlexDeMoConfig:
             "top-k alone."
         },
     )
+
+    def _check_replication(self) -> None:
+        _check_choice("scheme", self.scheme, scheme_names())
+        _check_choice("decode", self.decode, DECODE_MODES)
+        _check_int("replicate_every", self.replicate_every, low=1)
+        for name in ("overlap", "shared_indices"):
+            _check_bool(name, getattr(self, name))
+        _check_float("rate", self.rate, low=0.0, high=1.0, low_open=True)
+        _check_int("seed", self.seed, low=0)
+        _check_int("inner_steps", self.inner_steps, low=1)
+        _check_float("outer_lr", self.outer_lr, low=0.0)
+        _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
+        if self.derived_topk is not None:
+            _check_int("derived_topk", self.derived_topk, low=1)
+
+    @property
+    def traits(self) -> SchemeTraits:
+        """What the scheme supports (declared on its class, :mod:`hf_flexdemo.scheme_traits`)."""
+        return traits_of(self.scheme)
+
+
+@dataclass(kw_only=True)
+class WireSettings:
+    """The wire: how what a scheme sends is written in bytes."""
+
+    wire: str | None = field(
+        default=None,
+        metadata={
+            "help": f"demo: a measured wire format by name, one of {sorted(WIRE_PRESETS)}; it sets {WIRE_KNOBS} "
+            "(a knob also given must agree with it). Unset: the knobs as given."
+        },
+    )
+    value_dtype: str = field(
+        default="param", metadata={"help": "dtype of values on the wire: 'param', 'bf16', 'fp16' or 'fp32'."}
+    )
+    value_bits: int = field(
+        default=0,
+        metadata={
+            "help": "demo, sparseloco: 0 sends values in value_dtype; 1 their signs and each tile's mean "
+            "magnitude; 2, 4 or 8 a symmetric integer code per value and one float32 scale per tile. The "
+            "rounding error stays in the momentum (error feedback)."
+        },
+    )
+    rounding: str = field(
+        default="nearest",
+        metadata={"help": "value_bits 2, 4, 8: 'nearest' or 'stochastic' (unbiased) rounding."},
+    )
+    pack_indices: bool = field(
+        default=False,
+        metadata={
+            "help": "demo, sparseloco: send each index in the bits a tile position needs (12 for 64x64), not 16."
+        },
+    )
+    index_coding: str = field(
+        default="fixed",
+        metadata={
+            "help": "demo, sparseloco, with pack_indices=True: 'fixed' gives every index the same bits; "
+            "'elias_fano' codes each tile's ascending indices in at most 2 + log2(tile / topk) bits each (9 for "
+            "top 32 of 64x64, 7.3 for top 96): the same indices, fewer bytes."
+        },
+    )
+
+    def _check_wire(self) -> None:
+        """Once a ``wire`` preset has set its knobs (:meth:`FlexDeMoConfig._apply_wire_preset`)."""
+        _check_choice("value_dtype", self.value_dtype, tuple(VALUE_DTYPES))
+        _check_choice("value_bits", self.value_bits, VALUE_BITS)
+        _check_choice("rounding", self.rounding, ROUNDINGS)
+        if self.rounding == "stochastic" and self.value_bits not in (2, 4, 8):
+            raise ValueError(
+                f"FlexDeMo: rounding='stochastic' applies to value_bits 2, 4 or 8, not value_bits={self.value_bits}; "
+                "set value_bits=2 (or 4, 8), or leave rounding='nearest'."
+            )
+        _check_bool("pack_indices", self.pack_indices)
+        _check_choice("index_coding", self.index_coding, INDEX_CODINGS)
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype values travel in, or None for the parameter's own dtype."""
+        return VALUE_DTYPES[self.value_dtype]
+
+
+@dataclass(kw_only=True)
+class ExecutionSettings:
+    """Where the step runs: fused kernels, or several replicas simulated in one process."""
+
     kernels: str = field(
         default="torch",
         metadata={
@@ -241,6 +304,16 @@ class FlexDeMoConfig:
             "demo, random, striding, full; no torchft, one process (no FSDP shards or replicate group)."
         },
     )
+
+    def _check_execution(self) -> None:
+        _check_choice("kernels", self.kernels, KERNELS)
+        _check_int("simulate_replicas", self.simulate_replicas, low=1)
+
+
+@dataclass(kw_only=True)
+class FaultToleranceSettings:
+    """Live fault tolerance on torchft: the quorum, its time limits, and how a slow or lagging node catches up."""
+
     fault_tolerance: str = field(
         default="off",
         metadata={
@@ -289,84 +362,14 @@ class FlexDeMoConfig:
         },
     )
 
-    def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)
-        _check_choice("scheme", self.scheme, scheme_names())
-        self._apply_wire_preset()
-        self._resolve_rules()
-        validate_group(dataclasses.asdict(self), scheme=self.scheme, elementwise_update=self.elementwise_update)
-        _check_choice("decode", self.decode, DECODE_MODES)
-        _check_choice("ns_dtype", self.ns_dtype, NS_DTYPE_CHOICES)
-        if self.ns_dtype != "auto" and self.update != "orthogonal":  # it would be ignored
-            raise ValueError(
-                f"FlexDeMo: ns_dtype={self.ns_dtype!r} applies to update='orthogonal' (its Newton-Schulz "
-                f"iteration), but update is {self.update!r}; drop ns_dtype, or set update='orthogonal'."
-            )
-        if self.ns_steps is not None:
-            _check_choice("ns_steps", self.ns_steps, NS_STEP_CHOICES)
-            if self.update != "orthogonal":  # it would be ignored
-                raise ValueError(
-                    f"FlexDeMo: ns_steps={self.ns_steps!r} applies to update='orthogonal' (its Newton-Schulz "
-                    f"iteration), but update is {self.update!r}; drop ns_steps, or set update='orthogonal'."
-                )
-        _check_choice("value_dtype", self.value_dtype, tuple(VALUE_DTYPES))
-        _check_int("replicate_every", self.replicate_every, low=1)
-        if self.replicate_every != 1 and not self.traits.per_step:
-            raise ValueError(
-                f"FlexDeMo: replicate_every={self.replicate_every} applies to the per-step schemes "
-                f"{schemes_where('per_step')}, not to scheme={self.scheme!r}; leave it at 1"
-                + (" and set inner_steps instead." if self.traits.outer_steps else ".")
-            )
-        _check_choice("value_bits", self.value_bits, VALUE_BITS)
-        if self.value_bits and not self.traits.top_k:
-            raise ValueError(
-                f"FlexDeMo: value_bits={self.value_bits} applies to the top-k schemes {schemes_where('top_k')}, not "
-                f"scheme={self.scheme!r}; leave it at 0 (for fewer bytes there, use value_dtype='bf16'), or for "
-                "low-bit outer steps use scheme='sparseloco'."
-            )
-        _check_choice("rounding", self.rounding, ROUNDINGS)
-        if self.rounding == "stochastic" and self.value_bits not in (2, 4, 8):
-            raise ValueError(
-                f"FlexDeMo: rounding='stochastic' applies to value_bits 2, 4 or 8, not value_bits={self.value_bits}; "
-                "set value_bits=2 (or 4, 8), or leave rounding='nearest'."
-            )
-        for name in ("overlap", "pack_indices", "shared_indices"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"FlexDeMo: {name}={getattr(self, name)!r} is invalid; {name} must be True or False.")
-        if self.overlap and not self.traits.per_step:
-            raise ValueError(
-                f"FlexDeMo: overlap=True applies to the per-step schemes {schemes_where('per_step')}, not to "
-                f"scheme={self.scheme!r}; drop overlap=True."
-            )
-        if self.shared_indices:
-            self._check_shared_indices()
-        self._check_index_coding()
-        if self.derived_topk is not None:
-            self._check_derived_topk()
-        _check_choice("kernels", self.kernels, KERNELS)
-        if self.kernels != "torch":
-            check_kernel_settings(scheme=self.scheme, shared_indices=self.shared_indices, chunk=self.chunk)
-        _check_float("rate", self.rate, low=0.0, high=1.0, low_open=True)
+    def _check_fault_tolerance(self) -> None:
+        """``join_quorum``, ``replay_steps`` and ``stall_wait`` given without torchft are refused whatever their value
+        (``None`` is "not given"); not given under torchft, they take the settings that keep a slow node from
+        slowing the others (:meth:`_resolve_fault_tolerance`)."""
         _check_choice("fault_tolerance", self.fault_tolerance, FAULT_TOLERANCE)
         _check_int("min_replicas", self.min_replicas, low=1)
         _check_float("ft_timeout", self.ft_timeout, low=0.0, low_open=True)
         _check_float("quorum_timeout", self.quorum_timeout, low=0.0, low_open=True)
-        self._resolve_fault_tolerance()
-        if self.overlap and self.fault_tolerant:
-            raise ValueError(
-                "FlexDeMo: overlap=True cannot be combined with fault_tolerance='torchft': a step is committed only "
-                "once its exchange is known to be complete, which overlap defers to the next step. Drop overlap."
-            )
-        self._check_simulation()
-        _check_int("seed", self.seed, low=0)
-        _check_int("inner_steps", self.inner_steps, low=1)
-        _check_float("outer_lr", self.outer_lr, low=0.0)
-        _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
-
-    def _resolve_fault_tolerance(self) -> None:
-        """``join_quorum`` and ``replay_steps`` given without torchft are refused whatever their value (``None`` is
-        "not given"); not given under torchft, they take the settings that keep a slow node from slowing the
-        others."""
         if self.join_quorum is not None:
             _check_choice("join_quorum", self.join_quorum, JOIN_QUORUM)
         if self.replay_steps is not None:
@@ -386,13 +389,9 @@ class FlexDeMoConfig:
                     f"FlexDeMo: {name}={shown} applies to fault_tolerance='torchft' ({what}), but fault_tolerance "
                     f"is 'off'; drop {name}, or set fault_tolerance=torchft."
                 )
-        if self.replay_steps and not self.traits.replayable:
-            raise ValueError(
-                f"FlexDeMo: replay_steps={self.replay_steps} cannot apply to scheme={self.scheme!r}: a lagging node "
-                "always copies the whole state (DiLoCo's and SparseLoCo's inner steps move each node's parameters by "
-                f"its own gradients; one step of full is already a copy). Drop replay_steps (it applies to "
-                f"{schemes_where('replayable')})."
-            )
+
+    def _resolve_fault_tolerance(self) -> None:
+        """Once every given value is checked: the settings not given take their defaults."""
         if self.join_quorum is None:
             self.join_quorum = JOIN_QUORUM_DEFAULT if self.fault_tolerant else "before_forward"
         if self.replay_steps is None:
@@ -400,8 +399,84 @@ class FlexDeMoConfig:
         if self.stall_wait is None:
             self.stall_wait = STALL_WAIT_DEFAULT if self.fault_tolerant else 0.0
 
-    def _check_simulation(self) -> None:
-        _check_int("simulate_replicas", self.simulate_replicas, low=1)
+    @property
+    def fault_tolerant(self) -> bool:
+        return self.fault_tolerance != "off"
+
+
+SETTING_GROUPS = (RuleSettings, ReplicationSettings, WireSettings, ExecutionSettings, FaultToleranceSettings)
+"""FlexDeMo's settings by concern, in the order the settings page lists them. Each group checks its own fields;
+:class:`FlexDeMoConfig`, which has them all, checks how they combine."""
+
+
+@dataclass(kw_only=True)
+class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, ReplicationSettings, RuleSettings):
+    """Hyperparameters of FlexDeMo and its replication schemes: every group of :data:`SETTING_GROUPS`, flat.
+
+    The same names are keyword arguments of :class:`hf_flexdemo.FlexDeMo` and keys of ``optim_args``; each group
+    checks its own fields, and this class how they combine (a setting one scheme, rule or wire ignores is refused
+    there, naming both).
+
+    Example::
+
+        FlexDeMoConfig(lr=3e-4, topk=32, chunk=64, scheme="demo")
+        FlexDeMoConfig.from_optim_args("scheme=diloco,inner_steps=50")
+    """
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        self._check_replication()  # first: the other checks ask the scheme's traits
+        self._apply_wire_preset()
+        self._check_wire()
+        self._resolve_rules()
+        self._check_rule()
+        validate_group(dataclasses.asdict(self), scheme=self.scheme, elementwise_update=self.elementwise_update)
+        self._check_execution()
+        self._check_fault_tolerance()
+        self._check_what_the_scheme_takes()
+        self._check_execution_against_the_rest()
+        self._resolve_fault_tolerance()
+
+    def _check_what_the_scheme_takes(self) -> None:
+        """Settings of the rule, the wire and fault tolerance that the scheme would ignore."""
+        if self.replicate_every != 1 and not self.traits.per_step:
+            raise ValueError(
+                f"FlexDeMo: replicate_every={self.replicate_every} applies to the per-step schemes "
+                f"{schemes_where('per_step')}, not to scheme={self.scheme!r}; leave it at 1"
+                + (" and set inner_steps instead." if self.traits.outer_steps else ".")
+            )
+        if self.value_bits and not self.traits.top_k:
+            raise ValueError(
+                f"FlexDeMo: value_bits={self.value_bits} applies to the top-k schemes {schemes_where('top_k')}, not "
+                f"scheme={self.scheme!r}; leave it at 0 (for fewer bytes there, use value_dtype='bf16'), or for "
+                "low-bit outer steps use scheme='sparseloco'."
+            )
+        if self.overlap and not self.traits.per_step:
+            raise ValueError(
+                f"FlexDeMo: overlap=True applies to the per-step schemes {schemes_where('per_step')}, not to "
+                f"scheme={self.scheme!r}; drop overlap=True."
+            )
+        if self.shared_indices:
+            self._check_shared_indices()
+        self._check_index_coding()
+        if self.derived_topk is not None:
+            self._check_derived_topk()
+        if self.replay_steps and not self.traits.replayable:
+            raise ValueError(
+                f"FlexDeMo: replay_steps={self.replay_steps} cannot apply to scheme={self.scheme!r}: a lagging node "
+                "always copies the whole state (DiLoCo's and SparseLoCo's inner steps move each node's parameters by "
+                f"its own gradients; one step of full is already a copy). Drop replay_steps (it applies to "
+                f"{schemes_where('replayable')})."
+            )
+        if self.overlap and self.fault_tolerant:
+            raise ValueError(
+                "FlexDeMo: overlap=True cannot be combined with fault_tolerance='torchft': a step is committed only "
+                "once its exchange is known to be complete, which overlap defers to the next step. Drop overlap."
+            )
+
+    def _check_execution_against_the_rest(self) -> None:
+        if self.kernels != "torch":
+            check_kernel_settings(scheme=self.scheme, shared_indices=self.shared_indices, chunk=self.chunk)
         if self.simulate_replicas == 1:
             return
         if not self.traits.per_step:
@@ -461,7 +536,6 @@ class FlexDeMoConfig:
             )
 
     def _check_index_coding(self) -> None:
-        _check_choice("index_coding", self.index_coding, INDEX_CODINGS)
         if self.index_coding == "fixed":
             return
         if not self.traits.top_k or self.shared_indices:
@@ -478,7 +552,6 @@ class FlexDeMoConfig:
             )
 
     def _check_derived_topk(self) -> None:
-        _check_int("derived_topk", self.derived_topk, low=1)
         if not self.traits.dct or self.shared_indices or self.kernels != "torch":
             where = (
                 f"scheme={self.scheme!r}" if not self.traits.dct
@@ -540,26 +613,25 @@ class FlexDeMoConfig:
             keys.append("simulate_replicas")
         return tuple(keys)
 
-    @property
-    def traits(self) -> SchemeTraits:
-        """What the scheme supports (declared on its class, :mod:`hf_flexdemo.scheme_traits`)."""
-        return traits_of(self.scheme)
-
-    @property
-    def fault_tolerant(self) -> bool:
-        return self.fault_tolerance != "off"
-
-    @property
-    def wire_dtype(self) -> torch.dtype | None:
-        """The dtype values travel in, or None for the parameter's own dtype."""
-        return VALUE_DTYPES[self.value_dtype]
-
     def group_defaults(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in GROUP_KEYS}
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_keywords(cls, settings: dict[str, Any]) -> FlexDeMoConfig:
+        """``FlexDeMo(params, **settings)``'s settings; a name that is no setting is refused with the closest one."""
+        unknown = sorted(set(settings) - set(cls.field_names()))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], cls.field_names(), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(
+                f"FlexDeMo: {unknown[0]!r} is no setting{hint}. The settings are the fields of FlexDeMoConfig "
+                f"(docs/settings.md): {sorted(cls.field_names())}; mesh, replicate_dim and elementwise besides."
+            )
+        return cls(**settings)
 
     @classmethod
     def from_optim_args(cls, text: str | None, **base: Any) -> FlexDeMoConfig:
@@ -688,8 +760,7 @@ def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str =
     _check_float("decay", group["decay"], low=0.0, high=1.0, high_open=True)
     _check_int("chunk", group["chunk"], low=1)
     _check_int("topk", group["topk"], low=1, high=group["chunk"] ** 2, why=" (at most chunk * chunk, a full tile)")
-    if not isinstance(group["sign"], bool):
-        raise ValueError(f"FlexDeMo: sign={group['sign']!r} is invalid; sign must be True or False.")
+    _check_bool("sign", group["sign"])
     update = group.get("update", "sign")
     _check_choice("update", update, UPDATE_RULES)
     if update != "sign":
@@ -728,6 +799,11 @@ def _check_update_rule(update: str, sign: bool, scheme: str) -> None:
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"FlexDeMo: {name}={value!r} is invalid; {name} must be one of {allowed}.")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"FlexDeMo: {name}={value!r} is invalid; {name} must be True or False.")
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None, why: str = "") -> None:

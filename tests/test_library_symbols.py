@@ -1,8 +1,9 @@
 """The other libraries' symbols hf_flexdemo relies on, checked by name.
 
 No public registry exists for a Trainer optimizer name, for Accelerate's FSDP2 preparation or
-for the model card's optimizer line, so the integrations wrap these symbols. A release that
-moves one fails here, by name, before any training test does.
+for the model card's optimizer line, so the integrations patch the symbols listed in
+``hf_flexdemo.integrations.patches.PATCHES``; the rest they read. A release that moves one fails
+here, by name, before any training test does.
 """
 
 from __future__ import annotations
@@ -14,27 +15,68 @@ import accelerate
 import pytest
 import transformers
 
+from hf_flexdemo.integrations.patches import PATCHES, Patch, _owner_of, applied, wrap_method
+
 pytestmark = [pytest.mark.unit, pytest.mark.lowest]
 
 MAJOR = int(transformers.__version__.split(".")[0])
 
 
+def _applies_here(patch) -> bool:
+    return patch.applies(
+        {"transformers": transformers.__version__, "accelerate": accelerate.__version__}[patch.library]
+    )
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=[patch.target for patch in PATCHES])
+def test_every_listed_patch_finds_its_target_on_the_installed_versions(patch):
+    if not _applies_here(patch):
+        pytest.skip(f"{patch.target} applies to other versions of {patch.library}")
+    owner, name = _owner_of(patch.target)
+    assert hasattr(owner, name), f"{patch.target} moved ({patch.library} {getattr(owner, '__version__', '')})"
+
+
+def test_importing_hf_flexdemo_applies_exactly_the_listed_patches_for_these_versions():
+    import hf_flexdemo.integrations
+
+    hf_flexdemo.integrations.install()
+    assert applied() == {patch.target for patch in PATCHES if _applies_here(patch)}
+    for patch in PATCHES:  # the wrapped ones still call what they wrap
+        if patch.change == "wrapped" and _applies_here(patch):
+            owner, name = _owner_of(patch.target)
+            assert hasattr(inspect.getattr_static(owner, name), "__wrapped__") or hasattr(
+                getattr(owner, name), "__wrapped__"
+            ), patch.target
+
+
+def test_an_unlisted_patch_is_refused_by_name():
+    with pytest.raises(RuntimeError, match=r"transformers.Trainer.evaluate is patched but not listed .*PATCHES"):
+        wrap_method("transformers.Trainer.evaluate", lambda original, self, *a, **k: original(self, *a, **k))
+
+
+def test_a_moved_target_stops_the_install_with_the_patch_named(monkeypatch):
+    from hf_flexdemo.integrations import patches
+
+    gone = Patch("transformers.Trainer.no_such_method", "wrapped", "a test", ("4.57.1", "5.24.0"))
+    monkeypatch.setitem(patches._BY_TARGET, gone.target, gone)
+    with pytest.raises(
+        RuntimeError, match=r"has no transformers.Trainer.no_such_method.*checked on transformers 4\.57"
+    ):
+        patches.located(gone.target)
+    assert gone.target not in applied()
+
+
 @pytest.mark.parametrize(
     "module,name",
     [
-        ("transformers.training_args", "OptimizerNames"),
-        ("transformers.modelcard", "extract_hyperparameters_from_trainer"),
-        ("transformers.trainer", "DEFAULT_CALLBACKS"),
+        ("transformers.trainer", "DEFAULT_CALLBACKS"),  # read: FlexDeMo's callbacks go right after these
         ("transformers.trainer_utils", "PREFIX_CHECKPOINT_DIR"),
-        ("accelerate.state", "PartialState"),
-        ("accelerate.state", "AcceleratorState"),
         ("accelerate.parallelism_config", "ParallelismConfig"),
         ("accelerate.utils.fsdp_utils", "fsdp2_prepare_auto_wrap_policy"),
-        ("accelerate.utils", "FullyShardedDataParallelPlugin"),
         ("accelerate.utils.constants", "FSDP_SHARDING_STRATEGY"),  # the names FSDP1's number 1..5 stands for
     ],
 )
-def test_the_symbols_we_wrap_exist(module, name):
+def test_the_symbols_we_read_exist(module, name):
     assert hasattr(importlib.import_module(module), name), f"{module}.{name} moved ({transformers.__version__})"
 
 

@@ -152,6 +152,27 @@ def test_epoch_checkpoints_hold_every_update_with_overlap(tok, tmp_path):
         assert torch.equal(tensor, live.weights[2][name]), name
 
 
+@pytest.mark.lowest
+def test_flexdemos_callbacks_come_after_the_defaults_and_before_the_reporters_once(tok, tmp_path):
+    """Added through the Trainer's own callback list (no library registry written); one the user passed is moved
+    there, not doubled."""
+    from transformers.integrations import WandbCallback
+    from transformers.trainer import DEFAULT_CALLBACKS
+
+    from hf_flexdemo.integrations.callback import FlexDeMoCallback
+    from hf_flexdemo.integrations.checkpoints import CheckpointCallback
+
+    mine = FlexDeMoCallback(check_every=5)
+    args = TrainingArguments(str(tmp_path), optim="flexdemo", use_cpu=True, report_to="wandb")
+    trainer = Trainer(model=tiny_model("llama", len(tok)), args=args, callbacks=[mine])
+    kinds = [type(callback) for callback in trainer.callback_handler.callbacks]
+    defaults = len(DEFAULT_CALLBACKS)
+    assert kinds[:defaults] == list(DEFAULT_CALLBACKS)
+    assert kinds[defaults : defaults + 3] == [FlexDeMoCallback, CheckpointCallback, WandbCallback]
+    assert kinds.count(FlexDeMoCallback) == 1 and trainer.callback_handler.callbacks[defaults] is mine
+    assert FlexDeMoCallback not in DEFAULT_CALLBACKS
+
+
 def test_t5_family_is_marked_as_averaging_its_own_loss(tok):
     t5, llama = tiny_model("t5", len(tok)), tiny_model("llama", len(tok))
     assert mark_mean_loss_model(t5) and t5.accepts_loss_kwargs is False

@@ -1,7 +1,8 @@
 """The Accelerate plugin: FSDP2 inside a node, FlexDeMo between nodes.
 
 Accelerate has no extension point for the jobs below, so :func:`install` wraps four of
-its methods (idempotently, once per process; ``import hf_flexdemo`` calls it):
+its methods (idempotently, once per process; ``import hf_flexdemo`` calls it; every patch is
+listed in :mod:`.patches`):
 
 - ``FullyShardedDataParallelPlugin.__post_init__``: FSDP1 in a distributed job without an
   accelerator is refused before Accelerate's own set-up (which speaks of missing devices,
@@ -59,7 +60,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from .. import elastic
 from ..fsdp import clone_view_outputs
 from ..optim import FlexDeMo, unwrap_flexdemo
-from ._patching import wrap_method
+from .patches import wrap_method
 
 logger = logging.getLogger(__name__)
 
@@ -453,11 +454,11 @@ _INSTALLED = False
 
 
 def install() -> None:
-    """Wrap the four Accelerate methods (idempotent)."""
+    """Wrap the four Accelerate methods (idempotent; the list: :mod:`.patches`)."""
     global _INSTALLED
     if not _INSTALLED:
-        wrap_method(PartialState, "__init__", _cpu_without_accelerator)
-        wrap_method(FullyShardedDataParallelPlugin, "__post_init__", _refuse_fsdp1_on_cpu)
-        wrap_method(AcceleratorState, "__init__", _keep_fsdp_on_cpu)
-        wrap_method(Accelerator, "prepare", _prepare)
+        wrap_method("accelerate.state.PartialState.__init__", _cpu_without_accelerator)
+        wrap_method("accelerate.utils.FullyShardedDataParallelPlugin.__post_init__", _refuse_fsdp1_on_cpu)
+        wrap_method("accelerate.state.AcceleratorState.__init__", _keep_fsdp_on_cpu)
+        wrap_method("accelerate.Accelerator.prepare", _prepare)
         _INSTALLED = True

@@ -1,7 +1,5 @@
 """FlexDeMoCallback: FlexDeMo's part of the Trainer loop.
 
-- **Checks before training** (Trainer construction): ``optim_args`` are parsed and
-  validated, and fp16 is refused.
 - **Attaches and reports** at train start: the optimizer must have its replicate group
   (the Accelerate plugin attaches it in ``accelerator.prepare``).
 - **Owns the replication schedule at step boundaries**: per-step schemes replicate inside
@@ -32,14 +30,12 @@ import logging
 
 import torch
 import torch.distributed as dist
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import TrainerCallback
 
 from .. import refusals
 from ..optim import FlexDeMo, unwrap_flexdemo
 from ..topology import collective_device
-from .accelerate_plugin import check_flexdemo_layout, fp16_refusal
-from .simulation import SimulatedSteps, check_simulation_args
-from .training_args import flexdemo_kwargs, is_flexdemo, refuse_flexdemo_args_for_other_optimizers
+from .simulation import SimulatedSteps
 
 logger = logging.getLogger(__name__)
 
@@ -73,21 +69,6 @@ class FlexDeMoCallback(TrainerCallback):
         self.figures: dict[str, float] = {}
         """This node's latest figures (the logged keys; node 0's on the main process), refreshed at logging steps
         and at the end."""
-
-    # -- before training -----------------------------------------------------------------
-
-    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw):
-        if not is_flexdemo(args):
-            refuse_flexdemo_args_for_other_optimizers(args)
-            return
-        kwargs = flexdemo_kwargs(args)  # bad optim_args fail here, before any data is loaded
-        check_simulation_args(args, kwargs.get("simulate_replicas", 1))
-        if args.fp16:
-            raise ValueError(fp16_refusal("fp16=True", "bf16=True"))
-        from accelerate.state import AcceleratorState
-
-        if AcceleratorState._shared_state:  # the Trainer's accelerator exists: check its layout now
-            check_flexdemo_layout(AcceleratorState())
 
     def on_train_begin(self, args, state, control, optimizer=None, **kw):
         self._hook_checked = False

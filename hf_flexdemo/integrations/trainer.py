@@ -2,11 +2,13 @@
 
 Transformers validates ``TrainingArguments.optim`` against the ``OptimizerNames`` enum and
 looks the name up in ``transformers.trainer_optimizer._OPTIMIZER_HANDLERS``; neither has a
-public registry, so :func:`install` adds a member and a handler. The handler builds
-FlexDeMo from the standard flags (``--learning_rate``, ``--weight_decay``,
-``--adam_beta1/2`` and ``--adam_epsilon`` for DiLoCo's inner AdamW) plus ``optim_args``
-for FlexDeMo's own settings. It also puts :class:`FlexDeMoCallback` among the Trainer's
-default callbacks; the callback does nothing unless the optimizer is FlexDeMo; makes
+public registry, so :func:`install` adds a member and a handler (every patch is listed in
+:mod:`.patches`). The handler builds FlexDeMo from the standard flags (``--learning_rate``,
+``--weight_decay``, ``--adam_beta1/2`` and ``--adam_epsilon`` for DiLoCo's inner AdamW) plus
+``optim_args`` for FlexDeMo's own settings. Every Trainer gets :class:`FlexDeMoCallback` and
+:class:`CheckpointCallback` through its public callback list, ahead of the reporters (whose
+``on_log`` then sees FlexDeMo's figures); the FlexDeMo callback does nothing unless the
+optimizer is FlexDeMo. :func:`install` also makes
 the model card's optimizer line name FlexDeMo, its settings and the layout; and marks
 T5-family models as averaging their own loss (see :func:`mark_mean_loss_model`), a trap
 of transformers 5.x that scales T5's loss by processes and accumulation steps. Every
@@ -21,7 +23,6 @@ failing on every process.
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import os
 import types
@@ -30,17 +31,25 @@ from typing import Any
 
 import torch
 import transformers.trainer
-from transformers.training_args import OptimizerNames
 
 from .. import elastic, refusals
 from ..config import FlexDeMoConfig
 from ..optim import FlexDeMo, unwrap_flexdemo
 from ..updates import check_saved_state_keys, elementwise_parameters
-from ._patching import wrap_method
+from .accelerate_plugin import check_flexdemo_layout, fp16_refusal
 from .callback import FlexDeMoCallback
 from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
+from .patches import located, wrap_function, wrap_method
 from .resume import check_checkpoint_model, stop_if_complete
-from .training_args import OPTIM_NAME, describe, flexdemo_config, flexdemo_kwargs, is_flexdemo
+from .simulation import check_simulation_args
+from .training_args import (
+    OPTIM_NAME,
+    describe,
+    flexdemo_config,
+    flexdemo_kwargs,
+    is_flexdemo,
+    refuse_flexdemo_args_for_other_optimizers,
+)
 
 __all__ = [
     "OPTIM_NAME",
@@ -107,6 +116,7 @@ def _flexdemo_handler(ctx) -> tuple[type, dict[str, Any]]:
 
 
 def _add_enum_member(enum_cls: type[enum.Enum], name: str, value: str) -> enum.Enum:
+    """Python's enums take no new member after their class is made: this does what the class statement does."""
     if value in enum_cls._value2member_map_:
         return enum_cls(value)
     member = str.__new__(enum_cls, value)
@@ -166,13 +176,47 @@ def _trainer_init(original, self, *args, **kwargs):
     if getattr(training_args, "output_dir", None):  # the Trainer creates it: a raw OSError otherwise
         check_writable(training_args.output_dir)
     original(self, *args, **kwargs)
+    _add_own_callbacks(self)
     elastic.exit_with_launcher()
+    _refuse_before_training(self)
     if is_flexdemo(self.args):
         config = flexdemo_config(self.args)
         if config.fault_tolerant:
             from .fault_tolerant_trainer import prepare_fault_tolerant_trainer
 
             prepare_fault_tolerant_trainer(self, config)
+
+
+OWN_CALLBACKS = (FlexDeMoCallback, CheckpointCallback)
+
+
+def _add_own_callbacks(trainer) -> None:
+    """FlexDeMo's callbacks right after the Trainer's default ones, ahead of the reporters and the user's.
+
+    A callback the user passed already (``callbacks=[FlexDeMoCallback(check_every=10)]``) is moved there rather than
+    doubled. Ahead of the reporters, FlexDeMo's figures are in the logs that wandb and TensorBoard write.
+    """
+    callbacks = trainer.callback_handler.callbacks
+    defaults = tuple(transformers.trainer.DEFAULT_CALLBACKS)
+    at = sum(1 for callback in callbacks if isinstance(callback, defaults))
+    for kind in reversed(OWN_CALLBACKS):
+        given = next((callback for callback in callbacks if isinstance(callback, kind)), None)
+        if given is not None:
+            callbacks.remove(given)
+        callbacks.insert(at, given if given is not None else kind())
+
+
+def _refuse_before_training(trainer) -> None:
+    """What cannot train is refused at the Trainer's construction, before any data is loaded."""
+    args = trainer.args
+    if not is_flexdemo(args):
+        refuse_flexdemo_args_for_other_optimizers(args)
+        return
+    kwargs = flexdemo_kwargs(args)  # bad optim_args fail here
+    check_simulation_args(args, kwargs.get("simulate_replicas", 1))
+    if args.fp16:
+        raise ValueError(fp16_refusal("fp16=True", "bf16=True"))
+    check_flexdemo_layout(trainer.accelerator.state)
 
 
 def _trainer_train(original, self, resume_from_checkpoint=None, *args, **kwargs):
@@ -224,48 +268,33 @@ def _register_handler(member: enum.Enum) -> None:
     transformers >= 5 looks the name up in ``trainer_optimizer._OPTIMIZER_HANDLERS``;
     4.x (4.57) has one static ``Trainer.get_optimizer_cls_and_kwargs`` instead, wrapped here.
     """
-    try:
-        from transformers import trainer_optimizer
-    except ImportError:  # transformers 4.x
-        original = transformers.Trainer.get_optimizer_cls_and_kwargs
-
-        def get_optimizer_cls_and_kwargs(args, model=None):
-            if is_flexdemo(args):
-                return _flexdemo_handler(types.SimpleNamespace(args=args, model=model))
-            return original(args, model)
-
-        transformers.Trainer.get_optimizer_cls_and_kwargs = staticmethod(
-            functools.wraps(original)(get_optimizer_cls_and_kwargs)
-        )
+    if TRANSFORMERS_MAJOR >= 5:
+        _, _, handlers = located("transformers.trainer_optimizer._OPTIMIZER_HANDLERS")
+        handlers[member] = _flexdemo_handler
         return
-    trainer_optimizer._OPTIMIZER_HANDLERS[member] = _flexdemo_handler
+
+    def get_optimizer_cls_and_kwargs(original, args, model=None):
+        if is_flexdemo(args):
+            return _flexdemo_handler(types.SimpleNamespace(args=args, model=model))
+        return original(args, model)
+
+    wrap_function("transformers.Trainer.get_optimizer_cls_and_kwargs", get_optimizer_cls_and_kwargs)
 
 
 _INSTALLED = False
 
 
 def install() -> None:
-    """Register ``optim="flexdemo"`` and the callback with transformers (idempotent)."""
+    """Register ``optim="flexdemo"`` and wrap the Trainer (idempotent; the list: :mod:`.patches`)."""
     global _INSTALLED
     if _INSTALLED:
         return
-    from transformers import modelcard
-
-    # No public registry for an optim name: TrainingArguments validates against this enum.
-    member = _add_enum_member(OptimizerNames, OPTIM_NAME.upper(), OPTIM_NAME)
-    _register_handler(member)
-    # No public hook for the card's optimizer line, which would otherwise describe Adam's betas.
-    original = modelcard.extract_hyperparameters_from_trainer
-    modelcard.extract_hyperparameters_from_trainer = functools.wraps(original)(
-        lambda trainer: _card_hyperparameters(original, trainer)
-    )
-    # `callbacks=` is the public route, but the stock Trainer with optim="flexdemo" must work as is.
-    for callback in (FlexDeMoCallback, CheckpointCallback):
-        if callback not in transformers.trainer.DEFAULT_CALLBACKS:
-            transformers.trainer.DEFAULT_CALLBACKS.append(callback)
+    _, _, optimizer_names = located("transformers.training_args.OptimizerNames")
+    _register_handler(_add_enum_member(optimizer_names, OPTIM_NAME.upper(), OPTIM_NAME))
+    wrap_function("transformers.modelcard.extract_hyperparameters_from_trainer", _card_hyperparameters)
     # Before __init__: callbacks run after the data is loaded; train(): a callback is too late
     # to choose the checkpoint that train() loads.
-    wrap_method(transformers.TrainingArguments, "__post_init__", _bf16_on_cpu)  # before transformers refuses it
-    wrap_method(transformers.Trainer, "__init__", _trainer_init)
-    wrap_method(transformers.Trainer, "train", _trainer_train)
+    wrap_method("transformers.TrainingArguments.__post_init__", _bf16_on_cpu)  # before transformers refuses it
+    wrap_method("transformers.Trainer.__init__", _trainer_init)
+    wrap_method("transformers.Trainer.train", _trainer_train)
     _INSTALLED = True

@@ -94,52 +94,19 @@ class FlexDeMo(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        decay: float = 0.999,
-        topk: int = 32,
-        chunk: int = 64,
-        sign: bool = True,
         *,
-        update: str | None = None,
-        elementwise_update: str | None = None,
-        ns_dtype: str = "auto",
-        ns_steps: int | None = None,
-        decode: str = "selected",
-        value_dtype: str = "param",
-        scheme: str = "demo",
-        replicate_every: int = 1,
-        rate: float = 1 / 128,
-        seed: int = 0,
-        inner_steps: int = 100,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        overlap: bool = False,
-        value_bits: int = 0,
-        wire: str | None = None,
-        pack_indices: bool = False,
-        index_coding: str = "fixed",
-        rounding: str = "nearest",
-        shared_indices: bool = False,
-        derived_topk: int | None = None,
-        kernels: str = "torch",
-        simulate_replicas: int = 1,
-        fault_tolerance: str = "off",
-        min_replicas: int = 1,
-        ft_timeout: float = 30.0,
-        quorum_timeout: float = 120.0,
-        replay_steps: int | None = None,
-        join_quorum: str | None = None,
-        stall_wait: float | None = None,
         mesh: DeviceMesh | None = None,
         replicate_dim: str | None = None,
         elementwise: Iterable[torch.Tensor] | None = None,
+        **settings: Any,
     ):
-        arguments = locals()  # every setting is an argument of the same name
-        self.config = FlexDeMoConfig(**{f.name: arguments[f.name] for f in dataclasses.fields(FlexDeMoConfig)})
-        self._update_unset = update is None  # a group's sign=False then keeps the sign rule, as sign=False does
+        """``settings``: the fields of :class:`~hf_flexdemo.FlexDeMoConfig` by name (``lr=3e-4, topk=32``; every one
+        with its default and meaning: docs/settings.md). ``mesh`` and ``replicate_dim`` are the device mesh and its
+        inter-node dimension (the Accelerate plugin attaches them); ``elementwise`` names the parameters that take
+        ``elementwise_update`` under ``update='orthogonal'`` (embeddings and heads)."""
+        self.config = FlexDeMoConfig.from_keywords(settings)
+        # A group's sign=False then keeps the sign rule, as sign=False does.
+        self._update_unset = settings.get("update") is None
         if self.config.update == "orthogonal":
             if elementwise is None and self._update_unset:
                 logger.warning(
