@@ -802,7 +802,7 @@ def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_
     peer, node, peer_params, mine = lagging_pair(settings | {"join_quorum": "when_ready"})
     node.load_replica_state(peer.replica_state())
     node.managed.step = peer.managed.step
-    node.managed.finished = True  # what the finished peer serves under ROUND_STATE_KEY
+    node.managed.end.finished = True  # what the finished peer serves under ROUND_STATE_KEY
     momentum = [node.state[p]["momentum_dct"].clone() for p in mine]
     for p, g in zip(mine, _grads(9, mine)):
         p.grad = g
@@ -811,7 +811,7 @@ def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_
     assert all(int(node.state[p]["step"]) == int(peer.state[q]["step"]) for p, q in zip(mine, peer_params))
     assert all(torch.equal(node.state[p]["momentum_dct"], m) for p, m in zip(mine, momentum))  # gradient dropped
     assert node.managed.compared == int(parameter_fingerprint(mine))  # the round compares the nodes' parameters
-    assert not node.managed.behind_at_close
+    assert not node.managed.end.behind_at_close
 
 
 @pytest.mark.unit

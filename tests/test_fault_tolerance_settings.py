@@ -265,13 +265,13 @@ def test_a_finished_node_serves_the_position_before_the_jobs_last_step_even_if_i
 
     from hf_flexdemo.integrations.fault_tolerant_trainer import NodePosition
 
-    replicas = SimpleNamespace(finished=False)
+    replicas = SimpleNamespace(end=SimpleNamespace(finished=False))
     trainer = SimpleNamespace(state=SimpleNamespace(global_step=10, epoch=1.0), lr_scheduler=None)
     position = NodePosition(replicas, trainer)
     position.on_step_begin(None, trainer.state, None)
     position.take({"global_step": 39, "epoch": 3.9, "scheduler": None})  # healed in its last step (when_ready)
     trainer.state.global_step += 1  # the Trainer counts the step: 40, the job's last
-    replicas.finished = True
+    replicas.end.finished = True
     assert position.serve() == {"global_step": 39, "epoch": 3.9, "scheduler": None, "final": True}
     position.ended = True  # a closing round after its loop ended: it keeps its own position
     position.take({"global_step": 39, "epoch": 3.9, "scheduler": None, "final": True})

@@ -14,7 +14,7 @@ quorum. One step, as seen from one process::
 Replicas never diverge: torchft counts committed steps, and a node with fewer commits than
 the most advanced one heals from it at its next quorum.
 
-What a healing node copies (:meth:`ManagedReplicas.register`): the parameters and the
+What a healing node copies (:meth:`Healing.register <.healing.Healing.register>`): the parameters and the
 state that must match across replicas (the optimizer's step count, DiLoCo's anchor and
 outer momentum, and with the Trainer the global step and scheduler position). Its own
 momentum is kept (zeros for a new node): DeMo momentum is per replica by design, and a

@@ -41,8 +41,10 @@ class Healing:
         manager.register_state_dict_fn(NODE_STATE_KEY, self._check_peer, self._describe)
 
     def register(self, key: str, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
-        """Serve ``state()`` to nodes that heal from this one; ``load`` applies a peer's on this node (see
-        :meth:`~.replicas.ManagedReplicas.register`)."""
+        """Serve ``state()`` to nodes that heal from this one; ``load`` applies a peer's on this node.
+
+        ``state()`` must return copies: torchft serves it while this node trains on. Registering a key again (a
+        second Trainer in the process) replaces its functions."""
         if key not in self._state_fns:
             self._manager.register_state_dict_fn(key, lambda value: self._load(key, value), lambda: self._serve(key))
         self._state_fns[key] = (state, load)

@@ -72,7 +72,7 @@ class ReplicaState:
         """
         if not len(self.replay):
             return None
-        behind = self.managed.healing_steps()
+        behind = self.managed.healing.healing_steps()
         if not behind or min(behind) == 0:
             return None
         # Decided from what every process of this node sees alike (the Lighthouse's page, the steps held), so
@@ -124,7 +124,7 @@ class ReplicaState:
             return
         self.missed = None  # the whole state supersedes any steps still to replay
         if self.managed is not None:
-            self.managed.note_copy(self.nbytes())
+            self.managed.healing.note_copy(self.nbytes())
         for group, saved in zip(pipeline.param_groups, peer["groups"]):
             group.update(saved)
         for p, value, state in zip(self._ordered_params(), peer["params"], peer["state"]):
@@ -156,7 +156,7 @@ class ReplicaState:
         for group, saved in zip(self.pipeline.param_groups, peer["groups"]):
             group.update(saved)
         self.missed = pending + missed
-        self.managed.note_catch_up(len(missed), sum(step.nbytes for step in missed), self.nbytes())
+        self.managed.healing.note_catch_up(len(missed), sum(step.nbytes for step in missed), self.nbytes())
 
     def steps_to_replay(self) -> int:
         """Training steps this node missed and has not replayed yet."""

@@ -17,7 +17,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -114,11 +113,6 @@ class ManagedReplicas:
             self._quorum_waits.append(answered - asked)
         self.clock.add("heal", joined - answered)
 
-    @property
-    def round_open(self) -> bool:
-        """Whether this step's quorum is joined and not yet committed."""
-        return self.quorum.round_open
-
     def commit(self, trained: bool = True) -> bool:
         """Every process of the node agrees whether the step stands; False: undo it.
 
@@ -130,9 +124,6 @@ class ManagedReplicas:
         if not committed:
             self.members.undone += 1
         return committed
-
-    def report(self, error: Exception) -> None:
-        self.manager.report_error(error)
 
     @property
     def step(self) -> int:
@@ -156,59 +147,11 @@ class ManagedReplicas:
         (:meth:`close`) only a closing round compares: the others no longer join this node's collectives.
         """
         size = self.topology().size
-        if size == 1 or (self.finished and not closing):
+        if size == 1 or (self.end.finished and not closing):
             return [int(fingerprint)]
         return self.group.fingerprints_of_leaders(fingerprint, size, self.step - unapplied)
 
-    # -- what a healing node receives ---------------------------------------------------
-
-    def register(self, key: str, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
-        """Serve ``state()`` to nodes that heal from this one; ``load`` applies a peer's on this node.
-
-        ``state()`` must return copies: torchft serves it while this node trains on. Registering
-        a key again (a second Trainer in the process) replaces its functions.
-        """
-        self.healing.register(key, state, load)
-
-    def describe(self, part: str, describe: Callable[[], Any]) -> None:
-        """What must be equal on every node (settings, shapes): compared when a node first takes a peer's state."""
-        self.healing.describe(part, describe)
-
-    def healing_steps(self) -> list[int] | None:
-        """Committed steps of the current quorum's nodes that are behind (None: the Lighthouse did not answer)."""
-        return self.healing.healing_steps()
-
-    def note_catch_up(self, steps: int, moved: int, copy: int) -> None:
-        """This round's heal is a replay of ``steps`` missed steps (``moved`` bytes; a full copy: ``copy``)."""
-        self.healing.note_catch_up(steps, moved, copy)
-
-    def note_copy(self, copied: int) -> None:
-        """This round's heal copied the whole state (``copied`` bytes to this process)."""
-        self.healing.note_copy(copied)
-
     # -- the end of training -----------------------------------------------------------------
-
-    @property
-    def finished(self) -> bool:
-        """Whether this node has finished training: every round it joins from then on is a closing round."""
-        return self.end.finished
-
-    @finished.setter
-    def finished(self, value: bool) -> None:
-        self.end.finished = value
-
-    @property
-    def behind_at_close(self) -> bool:
-        """Whether this node's last closing round failed to commit: it has not caught up yet."""
-        return self.end.behind_at_close
-
-    @behind_at_close.setter
-    def behind_at_close(self, value: bool) -> None:
-        self.end.behind_at_close = value
-
-    def agree_on_finished(self) -> bool:
-        """Whether any process of this node healed from a node that finished (then all of them close)."""
-        return self.end.agree_on_finished()
 
     def close(self, closing_round: Callable[[], bool]) -> None:
         """At the end of training: stay while a live node is still on its last step, so that it ends on the same model.
@@ -225,7 +168,7 @@ class ManagedReplicas:
     def ending_note(self) -> str:
         """A warning when this node cannot tell that every node it trained with ended on its model ("" otherwise)."""
         history = self.members.history
-        return ending_note(self.identity.name, history, self.step, self.behind_at_close, self.end.ended_alike)
+        return ending_note(self.identity.name, history, self.step, self.end.behind_at_close, self.end.ended_alike)
 
     def membership_story(self) -> str:
         """How the quorum grew and shrank while this node was in it, in one line."""

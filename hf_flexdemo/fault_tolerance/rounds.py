@@ -78,11 +78,11 @@ class QuorumRounds:
             and self.pipeline.scheme.traits.payload_first
             and config.rounding != "stochastic"
             and not config.overlap
-            and not self.managed.round_open
+            and not self.managed.quorum.round_open
             and any(self.pipeline.state.values())
         )
 
-    def enter(self, sync_only: bool) -> StepRound | None:
+    def enter(self, *, sync_only: bool) -> StepRound | None:
         """How this step meets the quorum, joining its round if ``begin_step()`` did not; None: nothing to run.
 
         Without fault tolerance the step meets no quorum.
@@ -100,7 +100,7 @@ class QuorumRounds:
         if managed is None:
             return StepRound()
         healed, in_quorum, local = False, False, False
-        if not managed.round_open and not any(pipeline.state.values()) and self._is_state_creation():
+        if not managed.quorum.round_open and not any(pipeline.state.values()) and self._is_state_creation():
             local = True
         else:
             healed = self._join(sync_only, first)
@@ -129,7 +129,7 @@ class QuorumRounds:
         # The round may open here, after the backward pass, and replace the parameters: this
         # gradient then belongs to the old ones, so the step folds in nothing.
         healed = managed.begin() and not sync_only
-        if when_ready and managed.agree_on_finished():
+        if when_ready and managed.end.agree_on_finished():
             # This node healed from one that finished training: the job's last step has committed. It
             # catches up to it and finishes too; its own gradient would be a step past the end.
             self._closing_round()
@@ -183,7 +183,7 @@ class QuorumRounds:
         """A round after the job's last step: nothing is sent; late nodes catch up, then every node compares.
         Returns whether it committed (if not, this node has not caught up yet)."""
         committed = self._empty_round()
-        self.managed.behind_at_close = not committed
+        self.managed.end.behind_at_close = not committed
         if not committed:
             return False
         params = [p for group in self.pipeline.param_groups for p in group["params"]]

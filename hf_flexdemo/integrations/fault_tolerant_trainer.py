@@ -60,8 +60,8 @@ def prepare_fault_tolerant_trainer(trainer, config: FlexDeMoConfig) -> None:
     callbacks = trainer.callback_handler.callbacks
     at = next((i for i, c in enumerate(callbacks) if isinstance(c, CheckpointCallback)), len(callbacks))
     callbacks.insert(at, position)
-    replicas.register("trainer", position.serve, position.take)
-    replicas.describe(
+    replicas.healing.register("trainer", position.serve, position.take)
+    replicas.healing.describe(
         "trainer",
         lambda: {
             "max_steps": trainer.state.max_steps,
@@ -139,7 +139,7 @@ class NodePosition(TrainerCallback):
         self.ended = False  # whether this node's training loop has ended
 
     def serve(self) -> dict:
-        if self.replicas.finished and self.step_start is not None:
+        if self.replicas.end.finished and self.step_start is not None:
             return self.step_start | {"final": True}
         return _trainer_position(self.trainer)
 

@@ -182,8 +182,8 @@ class FlexDeMo(torch.optim.Optimizer):
             self._set_topology(ReplicaTopology.single())
         self.quorum.attach(replicas)
         # Through the optimizer's own methods, so that a subclass (or a test's fault injection) serves through its own
-        replicas.register("flexdemo_optimizer", self.replica_state, self.load_replica_state)
-        replicas.describe("flexdemo", self.quorum.replica.describe_layout)
+        replicas.healing.register("flexdemo_optimizer", self.replica_state, self.load_replica_state)
+        replicas.healing.describe("flexdemo", self.quorum.replica.describe_layout)
 
     def begin_step(self) -> None:
         """Fault tolerance: join this step's quorum now, before the forward pass (no-op otherwise, and with
@@ -275,14 +275,15 @@ class FlexDeMo(torch.optim.Optimizer):
         """One step (``sync_only``: a round of ``synchronize()``); returns whether it exchanged across nodes."""
         if self.quorum.encodes_first(sync_only):
             return self._run_payload_first()
-        joined = self.quorum.enter(sync_only)  # fault tolerance: this step's quorum round (None: nothing to run)
+        # Fault tolerance: this step's quorum round (None: nothing to run).
+        joined = self.quorum.enter(sync_only=sync_only)
         if joined is None:
             return False
         if self.managed is None:
             self.topology  # noqa: B018  (decides the topology and state layout on first use)
-        return self._run_in_round(joined, sync_only)
+        return self._run_in_round(joined, sync_only=sync_only)
 
-    def _run_in_round(self, joined: StepRound, sync_only: bool) -> bool:
+    def _run_in_round(self, joined: StepRound, *, sync_only: bool) -> bool:
         """The step once it knows how it meets the quorum (``joined``)."""
         buckets = self.buckets()
         topology = ReplicaTopology.single() if joined.local else self.topology
@@ -318,17 +319,17 @@ class FlexDeMo(torch.optim.Optimizer):
         encoded = self._encode_step(
             buckets, sync_only=False, topology=self.topology, in_quorum=True, drop_gradient=False
         )
-        joined = self.quorum.enter(False)
+        joined = self.quorum.enter(sync_only=False)
         if joined is None:  # the job finished meanwhile: this gradient would be a step past its end
             undo_local_step(encoded.undo)
             self.forget_step_count()
             return False
-        ctx = self._context(self._this_step(), False, self.topology)
+        ctx = self._context(self._this_step(), sync_only=False, topology=self.topology)
         if joined.drop_gradient or ctx.replicate != encoded.ctx.replicate:
             if not joined.drop_gradient:  # (a heal that copied a peer's state replaced the encoding with the rest)
                 undo_local_step(encoded.undo)
             self.forget_step_count()  # the step counts went back, or are the peer's
-            return self._run_in_round(joined, False)
+            return self._run_in_round(joined, sync_only=False)
         for moving, bucket in zip(encoded.buckets, buckets):  # the quorum's hyperparameters: a heal may have moved
             moving.group = dict(bucket.group)  # them on
         encoded.ctx, encoded.topology = ctx, self.topology  # the quorum's, now that it is known
@@ -352,12 +353,12 @@ class FlexDeMo(torch.optim.Optimizer):
         """The step's local part, which every path runs: what undoes it (``in_quorum``), weight decay where it
         cannot wait, and each bucket's local maths and payload."""
         step = self._this_step()
-        ctx = self._context(step, sync_only, topology)
+        ctx = self._context(step, sync_only=sync_only, topology=topology)
         stepping = [bucket.for_step() for bucket in buckets]
         grads = None  # this process's .grad
         if self._simulated is not None:  # replica 0 runs last, through the same path as a node's step
             topology, grads = self._run_other_replicas(stepping, step, sync_only)
-            ctx = self._context(step, sync_only, topology)
+            ctx = self._context(step, sync_only=sync_only, topology=topology)
             stepping = [bucket.for_replica(0) for bucket in stepping]
         # Nothing reads the parameters between here and the rules, so weight decay can wait for them: each rule
         # folds it into its pass over the parameters, and under a quorum it comes after the commit and any
@@ -381,7 +382,7 @@ class FlexDeMo(torch.optim.Optimizer):
         topologies = SimulatedTopology.replicas(self.config.simulate_replicas)
         sources = [None] * len(topologies) if sync_only else self._simulated.for_step()
         for topology, grads in zip(topologies[1:], sources[1:]):
-            ctx = self._context(step, sync_only, topology)
+            ctx = self._context(step, sync_only=sync_only, topology=topology)
             replica = [bucket.for_replica(topology.rank) for bucket in stepping]
             payloads, grad_bytes = self._local_steps(replica, ctx, sync_only, False, grads)
             start_exchange(
@@ -429,7 +430,7 @@ class FlexDeMo(torch.optim.Optimizer):
         else:
             self._finish(in_flight)
 
-    def _context(self, step: int, sync_only: bool, topology: ReplicaTopology) -> StepContext:
+    def _context(self, step: int, *, sync_only: bool, topology: ReplicaTopology) -> StepContext:
         ctx = StepContext(
             step=step,
             replicate=self.scheme.is_replication_step(step, forced=sync_only),
