@@ -208,3 +208,27 @@ def test_a_wire_preset_sets_its_knobs_and_refuses_a_knob_that_disagrees():
         FlexDeMoConfig(wire="2bit", scheme="diloco")
     opt = FlexDeMo([torch.nn.Parameter(torch.zeros(64, 64))], wire="top4_1bit", elementwise=[])
     assert opt.param_groups[0]["topk"] == 4 and opt.config.value_bits == 1 and opt.config.pack_indices
+
+
+def test_every_setting_belongs_to_one_group_and_each_group_checks_its_own_values():
+    import dataclasses
+
+    from hf_flexdemo.config import SETTING_GROUPS
+
+    names = [f.name for group in SETTING_GROUPS for f in dataclasses.fields(group)]
+    assert len(names) == len(set(names)) and set(names) == set(FlexDeMoConfig.field_names())
+    assert all(issubclass(FlexDeMoConfig, group) for group in SETTING_GROUPS)
+    with pytest.raises(ValueError, match=r"index_coding='gamma' is invalid"):  # the wire's own check
+        FlexDeMoConfig(index_coding="gamma")
+    with pytest.raises(ValueError, match=r"index_coding='elias_fano' codes the indices of the top-k schemes"):
+        FlexDeMoConfig(scheme="full", index_coding="elias_fano")  # the wire against the scheme: named first
+    with pytest.raises(TypeError):
+        FlexDeMoConfig(1e-3)  # keywords only: a positional value cannot land in the wrong field
+
+
+def test_the_optimizer_takes_every_setting_by_name_and_names_the_closest_one_to_a_typo():
+    param = torch.nn.Parameter(torch.zeros(8, 8))
+    opt = FlexDeMo([param], lr=0.25, topk=4, chunk=8, scheme="full", elementwise=[])
+    assert (opt.config.lr, opt.config.topk, opt.config.scheme, opt.defaults["lr"]) == (0.25, 4, "full", 0.25)
+    with pytest.raises(TypeError, match=r"'topK' is no setting \(did you mean 'topk'\?\)"):
+        FlexDeMo([param], topK=4)
