@@ -406,7 +406,8 @@ class FaultToleranceSettings:
 
 SETTING_GROUPS = (RuleSettings, ReplicationSettings, WireSettings, ExecutionSettings, FaultToleranceSettings)
 """FlexDeMo's settings by concern, in the order the settings page lists them. Each group checks its own fields;
-:class:`FlexDeMoConfig`, which has them all, checks how they combine."""
+:class:`FlexDeMoConfig`, which has them all, checks how they combine (a group is no config alone: its checks run
+when a FlexDeMoConfig is built)."""
 
 
 @dataclass(kw_only=True)

@@ -12,6 +12,7 @@ import itertools
 import json
 import re
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -572,20 +573,11 @@ def test_a_node_with_other_settings_is_refused_when_it_meets_the_others(lighthou
     assert nodes[0].result(0)["global_step"] == 40
 
 
-class OneReplicaQuorum:
-    """Stands in for ManagedReplicas in one process: one replica, each commit decided by the test."""
+class StandInHealing:
+    """What a healing node is served, and what this one's heal did (ManagedReplicas.healing's part)."""
 
-    device = torch.device("cpu")
-
-    def __init__(self, commits: list[bool]):
-        self.commits, self.round_open, self.served = list(commits), False, {}
-        self.step = self.steps_before_quorum = 0  # committed steps, as torchft counts them
-        self.finished = False  # whether the node (or the peer it healed from) finished training
-        self.behind_at_close = False
-        self.clock = RoundClock()
-
-    def agree_on_finished(self) -> bool:
-        return self.finished
+    def __init__(self, behind: list[int] | None = None):
+        self.served, self.behind, self.caught_up, self.copied = {}, behind, None, None
 
     def register(self, key, state, load):
         self.served[key] = (state, load)
@@ -593,12 +585,47 @@ class OneReplicaQuorum:
     def describe(self, part, describe):
         pass
 
+    def healing_steps(self):
+        return self.behind
+
+    def note_catch_up(self, steps, moved, copy):
+        self.caught_up = (steps, moved, copy)
+
+    def note_copy(self, copied):
+        self.copied = copied
+
+
+class StandInEnd:
+    """Whether the node (or the peer it healed from) finished training (ManagedReplicas.end's part)."""
+
+    def __init__(self):
+        self.finished = False
+        self.behind_at_close = False
+
+    def agree_on_finished(self) -> bool:
+        return self.finished
+
+
+class OneReplicaQuorum:
+    """Stands in for ManagedReplicas in one process: one replica, each commit decided by the test. It has the real
+    one's parts that the optimizer uses (``quorum``, ``healing``, ``end``)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, commits: list[bool]):
+        self.commits = list(commits)
+        self.step = self.steps_before_quorum = 0  # committed steps, as torchft counts them
+        self.quorum = SimpleNamespace(round_open=False)
+        self.healing = StandInHealing()
+        self.end = StandInEnd()
+        self.clock = RoundClock()
+
     def begin(self) -> bool:
-        self.round_open = True
+        self.quorum.round_open = True
         return False
 
     def commit(self, trained: bool = True) -> bool:
-        self.round_open = False
+        self.quorum.round_open = False
         committed = self.commits.pop(0)
         self.step += committed
         return committed
@@ -710,18 +737,9 @@ def test_a_healing_node_takes_parameters_shared_state_and_the_learning_rate(sche
 class LaggingPeers(OneReplicaQuorum):
     """OneReplicaQuorum that commits every step, with the committed steps of the nodes healing from it."""
 
-    def __init__(self, healing: list[int] | None = None):
+    def __init__(self, behind: list[int] | None = None):
         super().__init__([True] * 100)
-        self.healing, self.caught_up, self.copied = healing, None, None
-
-    def healing_steps(self):
-        return self.healing
-
-    def note_catch_up(self, steps, moved, copy):
-        self.caught_up = (steps, moved, copy)
-
-    def note_copy(self, copied):
-        self.copied = copied
+        self.healing = StandInHealing(behind)
 
     def fingerprints_of_leaders(self, fingerprint, unapplied=0, closing=False):
         self.compared = int(fingerprint)
@@ -754,7 +772,7 @@ def lagging_pair(settings: dict, replay_steps: int | None = None, missed: int = 
     hp |= dict(join_quorum="before_forward") | settings
     peer_params, mine = _wide_params(), _wide_params()
     peer, node = FlexDeMo(peer_params, replay_steps=replay_steps, **hp), FlexDeMo(mine, **hp)
-    peer.attach_managed(LaggingPeers(healing=[2]))
+    peer.attach_managed(LaggingPeers(behind=[2]))
     node.attach_managed(LaggingPeers())
     for step in range(2 + missed):
         for opt, params in ((peer, peer_params), (node, mine))[: 1 if step >= 2 else 2]:
@@ -776,7 +794,7 @@ def test_a_node_that_missed_steps_replays_their_payloads_and_ends_bitwise_equal(
     assert "params" not in served and [step.committed for step in served["replay"]] == missed
     node.load_replica_state(served)
     node.managed.step = peer.managed.step  # as torchft's heal sets it
-    assert node.managed.caught_up[0] == len(missed) and node.managed.caught_up[1] > 0
+    assert node.managed.healing.caught_up[0] == len(missed) and node.managed.healing.caught_up[1] > 0
     assert not all(torch.equal(a, b) for a, b in zip(mine, peer_params))  # applied at the node's next commit
     node.synchronize()  # a round that exchanges nothing: the commit replays the missed steps
     assert all(torch.equal(a, b) for a, b in zip(mine, peer_params))
@@ -916,7 +934,7 @@ def test_a_node_further_behind_than_replay_steps_copies_the_whole_state():
     assert "replay" not in served and "params" in served
     node.load_replica_state(served)
     assert all(torch.equal(a, b) for a, b in zip(mine, peer_params))
-    assert node.managed.copied > 0 and node.managed.caught_up is None
+    assert node.managed.healing.copied > 0 and node.managed.healing.caught_up is None
 
 
 @pytest.mark.unit
@@ -928,5 +946,5 @@ def test_scheme_full_copies_the_state_since_one_step_of_it_is_a_copy():
 @pytest.mark.unit
 def test_a_new_node_copies_the_whole_state_even_when_the_steps_are_held():
     peer, _, _, _ = lagging_pair(REPLAYED["demo"], missed=1)
-    peer.managed.healing = [0]  # it never committed a step of this job: its parameters are not the job's
+    peer.managed.healing.behind = [0]  # it never committed a step of this job: its parameters are not the job's
     assert "params" in peer.replica_state()

@@ -142,3 +142,10 @@ def test_training_arguments_check_bf16_in_post_init():
     """The bf16-on-CPU wrapper runs before ``TrainingArguments.__post_init__``, where transformers refuses it."""
     source = inspect.getsource(transformers.TrainingArguments.__post_init__)
     assert "bf16" in source and "use_cpu" in source, f"the bf16 check moved ({transformers.__version__})"
+
+
+@pytest.mark.parametrize("version,table", [("4.57.1", False), ("5.0.0.dev0", True), ("5.0.0rc1", True), ("5.24.0", True)])
+def test_one_way_to_build_the_optimizer_applies_to_each_transformers_version_pre_releases_included(version, table):
+    by_target = {patch.target: patch for patch in PATCHES}
+    assert by_target["transformers.trainer_optimizer._OPTIMIZER_HANDLERS"].applies(version) is table
+    assert by_target["transformers.Trainer.get_optimizer_cls_and_kwargs"].applies(version) is not table

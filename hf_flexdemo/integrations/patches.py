@@ -52,6 +52,8 @@ class Patch:
 
 
 ACCELERATE = ("1.10.1", "1.15.0")
+FIRST_OF_5 = "5.0.0.dev0"
+"""transformers' 5.x line from its first pre-release on, which has the optimizer table."""
 TRANSFORMERS = ("4.57.1", "5.24.0")
 
 PATCHES: tuple[Patch, ...] = (
@@ -115,14 +117,14 @@ PATCHES: tuple[Patch, ...] = (
         "entry added",
         "the Trainer builds its optimizer from this table: optim='flexdemo' builds FlexDeMo",
         TRANSFORMERS,
-        applies_from="5",
+        applies_from=FIRST_OF_5,
     ),
     Patch(
         "transformers.Trainer.get_optimizer_cls_and_kwargs",
         "wrapped",
         "transformers 4.x builds its optimizer here (no table): optim='flexdemo' builds FlexDeMo",
         TRANSFORMERS,
-        applies_below="5",
+        applies_below=FIRST_OF_5,
     ),
 )
 """Every patch into transformers and Accelerate, in the order they are applied."""
@@ -148,7 +150,7 @@ def located(target: str) -> tuple[Any, str, Any]:
     if not patch.applies(version):
         raise RuntimeError(f"hf_flexdemo: {target} does not apply to {patch.library} {version} (see its entry).")
     owner, name = _owner_of(target)
-    if not hasattr(owner, name):
+    if owner is None or not hasattr(owner, name):
         raise RuntimeError(
             f"hf_flexdemo: {patch.library} {version} has no {target}, which hf_flexdemo patches ({patch.why}); it "
             f"was checked on {patch.library} {patch.checked[0]} to {patch.checked[1]}. Install a version in that "
@@ -186,13 +188,20 @@ def wrap_function(target: str, wrapper: Callable) -> None:
     setattr(owner, name, staticmethod(function) if isinstance(owner, type) else function)
 
 
+def applies(target: str) -> bool:
+    """Whether the listed ``target`` is patched on the installed version of its library."""
+    patch = _BY_TARGET[target]
+    return patch.applies(library_version(patch.library))
+
+
 def applied() -> frozenset[str]:
     """The targets patched in this process so far."""
     return frozenset(_APPLIED)
 
 
 def _owner_of(target: str) -> tuple[Any, str]:
-    """The object that holds ``target``'s last name: the longest importable module prefix, then attributes."""
+    """The object that holds ``target``'s last name (the longest importable module prefix, then attributes), or
+    ``None`` if one of the names between moved."""
     parts = target.split(".")
     for cut in range(len(parts) - 1, 0, -1):
         try:
@@ -200,6 +209,8 @@ def _owner_of(target: str) -> tuple[Any, str]:
         except ImportError:
             continue
         for part in parts[cut:-1]:
+            if not hasattr(owner, part):
+                return None, parts[-1]
             owner = getattr(owner, part)
         return owner, parts[-1]
     raise RuntimeError(f"hf_flexdemo: no module of {target} imports")

@@ -39,7 +39,7 @@ from ..updates import check_saved_state_keys, elementwise_parameters
 from .accelerate_plugin import check_flexdemo_layout, fp16_refusal
 from .callback import FlexDeMoCallback
 from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
-from .patches import located, wrap_function, wrap_method
+from .patches import applies, located, wrap_function, wrap_method
 from .resume import check_checkpoint_model, stop_if_complete
 from .simulation import check_simulation_args
 from .training_args import (
@@ -198,7 +198,7 @@ def _add_own_callbacks(trainer) -> None:
     """
     callbacks = trainer.callback_handler.callbacks
     defaults = tuple(transformers.trainer.DEFAULT_CALLBACKS)
-    at = sum(1 for callback in callbacks if isinstance(callback, defaults))
+    at = next((i for i, callback in enumerate(callbacks) if not isinstance(callback, defaults)), len(callbacks))
     for kind in reversed(OWN_CALLBACKS):
         given = next((callback for callback in callbacks if isinstance(callback, kind)), None)
         if given is not None:
@@ -268,7 +268,7 @@ def _register_handler(member: enum.Enum) -> None:
     transformers >= 5 looks the name up in ``trainer_optimizer._OPTIMIZER_HANDLERS``;
     4.x (4.57) has one static ``Trainer.get_optimizer_cls_and_kwargs`` instead, wrapped here.
     """
-    if TRANSFORMERS_MAJOR >= 5:
+    if applies("transformers.trainer_optimizer._OPTIMIZER_HANDLERS"):
         _, _, handlers = located("transformers.trainer_optimizer._OPTIMIZER_HANDLERS")
         handlers[member] = _flexdemo_handler
         return
