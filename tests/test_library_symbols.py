@@ -15,7 +15,7 @@ import accelerate
 import pytest
 import transformers
 
-from hf_flexdemo.integrations.patches import PATCHES, Patch, _owner_of, applied, wrap_method
+from hf_flexdemo.integrations.patches import PATCHES, Patch, _owner_of, applied, wrap
 
 pytestmark = [pytest.mark.unit, pytest.mark.lowest]
 
@@ -51,7 +51,7 @@ def test_importing_hf_flexdemo_applies_exactly_the_listed_patches_for_these_vers
 
 def test_an_unlisted_patch_is_refused_by_name():
     with pytest.raises(RuntimeError, match=r"transformers.Trainer.evaluate is patched but not listed .*PATCHES"):
-        wrap_method("transformers.Trainer.evaluate", lambda original, self, *a, **k: original(self, *a, **k))
+        wrap("transformers.Trainer.evaluate", lambda original, self, *a, **k: original(self, *a, **k))
 
 
 def test_a_moved_target_stops_the_install_with_the_patch_named(monkeypatch):
@@ -144,7 +144,9 @@ def test_training_arguments_check_bf16_in_post_init():
     assert "bf16" in source and "use_cpu" in source, f"the bf16 check moved ({transformers.__version__})"
 
 
-@pytest.mark.parametrize("version,table", [("4.57.1", False), ("5.0.0.dev0", True), ("5.0.0rc1", True), ("5.24.0", True)])
+@pytest.mark.parametrize(
+    "version,table", [("4.57.1", False), ("5.0.0.dev0", True), ("5.0.0rc1", True), ("5.24.0", True)]
+)
 def test_one_way_to_build_the_optimizer_applies_to_each_transformers_version_pre_releases_included(version, table):
     by_target = {patch.target: patch for patch in PATCHES}
     assert by_target["transformers.trainer_optimizer._OPTIMIZER_HANDLERS"].applies(version) is table

@@ -60,7 +60,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from .. import elastic
 from ..fsdp import clone_view_outputs
 from ..optim import FlexDeMo, unwrap_flexdemo
-from .patches import wrap_method
+from .patches import wrap
 
 logger = logging.getLogger(__name__)
 
@@ -457,8 +457,8 @@ def install() -> None:
     """Wrap the four Accelerate methods (idempotent; the list: :mod:`.patches`)."""
     global _INSTALLED
     if not _INSTALLED:
-        wrap_method("accelerate.state.PartialState.__init__", _cpu_without_accelerator)
-        wrap_method("accelerate.utils.FullyShardedDataParallelPlugin.__post_init__", _refuse_fsdp1_on_cpu)
-        wrap_method("accelerate.state.AcceleratorState.__init__", _keep_fsdp_on_cpu)
-        wrap_method("accelerate.Accelerator.prepare", _prepare)
+        wrap("accelerate.state.PartialState.__init__", _cpu_without_accelerator)
+        wrap("accelerate.utils.FullyShardedDataParallelPlugin.__post_init__", _refuse_fsdp1_on_cpu)
+        wrap("accelerate.state.AcceleratorState.__init__", _keep_fsdp_on_cpu)
+        wrap("accelerate.Accelerator.prepare", _prepare)
         _INSTALLED = True

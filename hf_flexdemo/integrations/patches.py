@@ -2,7 +2,7 @@
 
 Neither library has a public hook for these jobs (an optimizer name for ``TrainingArguments.optim``, the FSDP2 layout
 FlexDeMo needs, the checkpoint ``train()`` resumes from). Each one is an entry of :data:`PATCHES` and is applied
-through :func:`wrap_method` or :func:`located`, which refuse a target that is not listed. So this file is the whole
+through :func:`wrap` or :func:`located`, which refuse a target that is not listed. So this file is the whole
 list a library release can break, and ``tests/test_library_symbols.py`` checks every entry against the installed
 versions: the target exists, and after ``import hf_flexdemo`` each entry that applies to the version is in place.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,26 +167,17 @@ def located(target: str) -> tuple[Any, str, Any]:
     return owner, name, getattr(owner, name)
 
 
-def wrap_method(target: str, wrapper: Callable) -> None:
-    """Replace the listed method ``target`` by ``wrapper(original, self, *args, **kwargs)``."""
+def wrap(target: str, wrapper: Callable) -> None:
+    """Replace the listed function or method ``target`` by ``wrapper(original, *args, **kwargs)`` (a method's
+    ``self`` comes first in ``args``; a static method stays static)."""
     owner, name, original = located(target)
 
     @functools.wraps(original)
-    def method(self, *args, **kwargs):
-        return wrapper(original, self, *args, **kwargs)
-
-    setattr(owner, name, method)
-
-
-def wrap_function(target: str, wrapper: Callable) -> None:
-    """Replace the listed module function (or static method) ``target`` by ``wrapper(original, *args, **kwargs)``."""
-    owner, name, original = located(target)
-
-    @functools.wraps(original)
-    def function(*args, **kwargs):
+    def wrapped(*args, **kwargs):
         return wrapper(original, *args, **kwargs)
 
-    setattr(owner, name, staticmethod(function) if isinstance(owner, type) else function)
+    static = isinstance(owner, type) and isinstance(inspect.getattr_static(owner, name), staticmethod)
+    setattr(owner, name, staticmethod(wrapped) if static else wrapped)
 
 
 def applies(target: str) -> bool:

@@ -39,7 +39,7 @@ from ..updates import check_saved_state_keys, elementwise_parameters
 from .accelerate_plugin import check_flexdemo_layout, fp16_refusal
 from .callback import FlexDeMoCallback
 from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
-from .patches import applies, located, wrap_function, wrap_method
+from .patches import applies, located, wrap
 from .resume import check_checkpoint_model, stop_if_complete
 from .simulation import check_simulation_args
 from .training_args import (
@@ -278,7 +278,7 @@ def _register_handler(member: enum.Enum) -> None:
             return _flexdemo_handler(types.SimpleNamespace(args=args, model=model))
         return original(args, model)
 
-    wrap_function("transformers.Trainer.get_optimizer_cls_and_kwargs", get_optimizer_cls_and_kwargs)
+    wrap("transformers.Trainer.get_optimizer_cls_and_kwargs", get_optimizer_cls_and_kwargs)
 
 
 _INSTALLED = False
@@ -291,10 +291,10 @@ def install() -> None:
         return
     _, _, optimizer_names = located("transformers.training_args.OptimizerNames")
     _register_handler(_add_enum_member(optimizer_names, OPTIM_NAME.upper(), OPTIM_NAME))
-    wrap_function("transformers.modelcard.extract_hyperparameters_from_trainer", _card_hyperparameters)
+    wrap("transformers.modelcard.extract_hyperparameters_from_trainer", _card_hyperparameters)
     # Before __init__: callbacks run after the data is loaded; train(): a callback is too late
     # to choose the checkpoint that train() loads.
-    wrap_method("transformers.TrainingArguments.__post_init__", _bf16_on_cpu)  # before transformers refuses it
-    wrap_method("transformers.Trainer.__init__", _trainer_init)
-    wrap_method("transformers.Trainer.train", _trainer_train)
+    wrap("transformers.TrainingArguments.__post_init__", _bf16_on_cpu)  # before transformers refuses it
+    wrap("transformers.Trainer.__init__", _trainer_init)
+    wrap("transformers.Trainer.train", _trainer_train)
     _INSTALLED = True
