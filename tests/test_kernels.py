@@ -6,11 +6,12 @@
 Tolerances, and why: both paths compute in float32 and differ only in summation order (the DCT's products, the
 decode's low-rank product against a dense inverse DCT, a 1-bit scale's mean). Coefficients and momenta therefore
 agree to ``rtol=1e-5`` with ``atol=1e-6 * max|Q|`` (a sum of at most 64 x 64 products, each rounded at 2**-24
-relative, lands well inside); selections are identical on tie-free data; codes are identical (a value would have
-to sit within float32 rounding of a rounding boundary to differ). A parameter moved by the sign rule is bitwise
-equal, except where the decoded update is zero in exact arithmetic, where its sign is rounding noise in both paths
-(checked: only where ``|U| <= 1e-5 * max|U|``). ``lr`` is a power of two, so torch's CPU add, which rounds ``lr``
-to bf16 for bf16 parameters, agrees with the kernel's float32 arithmetic.
+relative, lands well inside; on a GPU with TF32 the kernels multiply in three TF32 products, ``dot_precision``,
+which passed at these tolerances on an H200); selections are identical on tie-free data; codes are identical (a
+value would have to sit within float32 rounding of a rounding boundary to differ). A parameter moved by the sign
+rule is bitwise equal, except where the decoded update is zero in exact arithmetic, where its sign is rounding noise
+in both paths (checked: only where ``|U| <= 1e-5 * max|U|``). ``lr`` is a power of two, so torch's CPU add, which
+rounds ``lr`` to bf16 for bf16 parameters, agrees with the kernel's float32 arithmetic.
 """
 
 from __future__ import annotations
@@ -457,6 +458,30 @@ def test_optim_args_kernels_triton_reaches_the_optimizer(tmp_path):
 
 # -- compiled for a GPU -------------------------------------------------------------------------------------------
 
+
+@pytest.mark.parametrize(
+    ("device", "capability", "hip", "expected"),
+    [
+        ("cpu", None, None, "ieee"),  # the interpreter
+        ("cuda", (8, 0), None, "tf32x3"),
+        ("cuda", (9, 0), None, "tf32x3"),
+        ("cuda", (7, 5), None, "ieee"),  # no TF32 before Ampere
+        ("cuda", (9, 4), "6.2", "ieee"),  # ROCm: no tf32x3
+    ],
+)
+def test_products_take_three_tf32_products_only_where_the_gpu_has_tf32(monkeypatch, device, capability, hip, expected):
+    from hf_flexdemo.kernels._triton_common import dot_precision
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    dot_precision.cache_clear()
+    try:
+        where = torch.device(device, 0) if device == "cuda" else torch.device(device)
+        assert dot_precision.__wrapped__(where) == expected
+    finally:
+        dot_precision.cache_clear()
+
+
 COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -472,15 +497,16 @@ def compile(fn, pointers, scalars, constants):
 
 encode = dict(grad_table_ptr="*i64", q_ptr="*fp32", left_ptr="*fp32", right_ptr="*fp32", noise_ptr="*fp32",
               index_ptr="*i32", value_ptr="*fp32", code_ptr="*u8", scale_ptr="*fp32")
-compile(_demo_encode_kernel, encode, dict(cols="i32", grid_cols="i32", tiles_per_grad="i32", decay="fp32", lr="fp32"),
-        dict(GRAD=1, TILE_ROWS=13, TILE_COLS=40, A=16, B=64, K=32, SELECT=True, BITS=2, LEVELS=1, STOCHASTIC=True,
-             WIRE=0))
+for precision in ("tf32x3", "ieee"):  # what dot_precision gives sm_80 and newer, and older GPUs
+    compile(_demo_encode_kernel, encode, dict(cols="i32", grid_cols="i32", tiles_per_grad="i32", decay="fp32",
+            lr="fp32"), dict(GRAD=1, TILE_ROWS=13, TILE_COLS=40, A=16, B=64, K=32, SELECT=True, BITS=2, LEVELS=1,
+            STOCHASTIC=True, WIRE=0, PRECISION=precision))
 for store in (False, True):  # storing, the table argument is the int32 indices (demo_decode)
     decode = dict(table_ptr="*i32" if store else "*i64", out_ptr="*fp32", index_ptr="*i32", value_ptr="*bf16",
                   left_ptr="*fp32", right_ptr="*fp32")
     compile(_sign_decode_kernel, decode, dict(n_tiles="i32", cols="i32", grid_cols="i32", tiles_per_param="i32",
             neg_lr="fp32", decay="fp32"), dict(REPLICAS=3, K=100, KB=64, TILE_ROWS=7, TILE_COLS=40, A=16, B=64,
-            SELECTED=True, SIGN=False, PARAM=1, STORE=store, DECAY=not store))
+            SELECTED=True, SIGN=False, PARAM=1, STORE=store, DECAY=not store, PRECISION="tf32x3"))
 from hf_flexdemo.kernels.rule_step import _rule_step_kernel
 
 for adam in (False, True):

@@ -13,7 +13,8 @@ bucket's stack), and in registers::
 
 then stores ``Q`` and the ``(n_tiles, k)`` selection: the momentum is read and written once, the gradient read
 once. Tile sides are padded to a power of two of at least 16 (``tl.arange``, ``tl.dot``), with masked loads.
-Products use ``input_precision="ieee"``: TF32 would differ from the torch path by more than float32 rounding.
+Products take :func:`._triton_common.dot_precision`: three TF32 products on GPUs that have TF32, IEEE float32
+elsewhere (one TF32 product would differ from the torch path by more than float32 rounding).
 
 Versus the torch path: the same maths in float32 with other summation orders (the DCT's products, the 1-bit
 scale's mean), so ``Q`` agrees to float32 rounding and the selection is the same wherever the k-th and the
@@ -32,7 +33,16 @@ import triton.language as tl
 
 from ..compression import ChunkPlan
 from . import padded_dct
-from ._triton_common import address_table, dtype_code, largest, round_half_even, round_to_dtype, running_total, total
+from ._triton_common import (
+    address_table,
+    dot_precision,
+    dtype_code,
+    largest,
+    round_half_even,
+    round_to_dtype,
+    running_total,
+    total,
+)
 from .demo_encode_torch import EncodedTiles
 
 
@@ -63,6 +73,7 @@ def _demo_encode_kernel(
     LEVELS: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     WIRE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     base = (tile // grid_cols).to(tl.int64) * TILE_ROWS * cols + (tile % grid_cols) * TILE_COLS
@@ -83,7 +94,7 @@ def _demo_encode_kernel(
     q = tl.load(q_ptr + offsets, mask=inside, other=0.0)
     left = tl.load(left_ptr + i * A + tl.arange(0, A)[None, :])  # L[i, m]
     right_t = tl.load(right_ptr + j * B + tl.arange(0, B)[:, None])  # R^T[n, j] = R[j, n]
-    coefficients = tl.dot(tl.dot(left, g, input_precision="ieee"), right_t, input_precision="ieee")
+    coefficients = tl.dot(tl.dot(left, g, input_precision=PRECISION), right_t, input_precision=PRECISION)
     q = decay * q + lr * coefficients
     if not SELECT:
         tl.store(q_ptr + offsets, q, mask=inside)
@@ -192,6 +203,7 @@ def demo_encode_op(
         LEVELS=2 ** (bits - 1) - 1 if bits > 1 else 1,
         STOCHASTIC=noise is not None,
         WIRE=0 if bits else wire,
+        PRECISION=dot_precision(q.device),
         num_warps=4,
         enable_fp_fusion=False,  # each product and sum rounded as written, as the torch path's separate operations
     )

@@ -7,14 +7,14 @@ addresses, so they need not be one tensor, in their own dtype) and of the step, 
     add_step:   p += alpha * step                               the orthogonal rule: alpha = -lr * its scale
     adam_step:  g = u / lr;  v = beta2 * v + (1 - beta2) * g**2;  p -= lr * g / (sqrt(v / correction) + eps)
 
-so the parameter is read and written once, the step read once (in its own dtype: Newton-Schulz's bf16 result
-is not converted first), and adam's second moment read and written once, where the torch path runs eight
-passes (nine with weight decay). The decayed parameter is rounded to its dtype before the step is added, as the
-torch path's separate ``_foreach_mul_`` (whose CPU kernel rounds the factor to a 16-bit dtype first, as it does
-``alpha``: see below). The step is rounded to the parameter's dtype before it is added, as the torch path's ``.to(dtype)``;
-divisions and the square root round as IEEE (``div_rn``, ``sqrt_rn``), as torch's. The sum ``p + alpha * step``
-is computed in float32 and rounded once, as torch's CUDA ``_foreach_add_``; its CPU kernel rounds ``alpha`` to the
-dtype of 16-bit parameters first (see :mod:`.sign_decode_torch`).
+so the parameter is read and written once, the step read once (in its own dtype: Newton-Schulz's bf16 result is not
+converted first), and adam's second moment read and written once, where the torch path runs eight passes (nine with
+weight decay). The decayed parameter is rounded to its dtype before the step is added, as the torch path's separate
+``_foreach_mul_`` (whose CPU kernel rounds the factor to a 16-bit dtype first, as it does ``alpha``: see below). The
+step is rounded to the parameter's dtype before it is added, as the torch path's ``.to(dtype)``; divisions and the
+square root round as IEEE (``div_rn``, ``sqrt_rn``), as torch's. The sum ``p + alpha * step`` is computed in float32
+and rounded once, as torch's CUDA ``_foreach_add_``; its CPU kernel rounds ``alpha`` to the dtype of 16-bit
+parameters first (see :mod:`.sign_decode_torch`).
 """
 
 from __future__ import annotations

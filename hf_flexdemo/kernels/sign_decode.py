@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..compression import ChunkPlan
 from . import padded_dct
-from ._triton_common import address_table, dtype_code, round_to_dtype, total
+from ._triton_common import address_table, dot_precision, dtype_code, round_to_dtype, total
 
 BLOCK = 64
 """Most sent entries one product takes at a time (bounds a program's registers whatever ``k`` and replicas)."""
@@ -59,6 +59,7 @@ def _sign_decode_kernel(
     PARAM: tl.constexpr,
     STORE: tl.constexpr,
     DECAY: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     rows_a = tl.arange(0, A)
@@ -87,7 +88,7 @@ def _sign_decode_kernel(
             col = tl.where(valid, index % TILE_COLS, 0)
             left_t = tl.load(left_ptr + row[None, :] * A + rows_a[:, None])  # L^T[m, e] = L[r_e, m]
             right = tl.load(right_ptr + col[:, None] * B + cols_b[None, :])  # R[c_e, n]
-            update += tl.dot(left_t * share[None, :], right, input_precision="ieee")
+            update += tl.dot(left_t * share[None, :], right, input_precision=PRECISION)
 
     i = rows_a[:, None]
     j = cols_b[None, :]
@@ -196,6 +197,7 @@ def _launch(
         PARAM=dtype_code(params[0].dtype),
         STORE=out is not None,
         DECAY=decay != 1.0,
+        PRECISION=dot_precision(values.device),
         num_warps=4,
         enable_fp_fusion=False,  # each product and sum rounded as written, as the torch path's separate operations
     )

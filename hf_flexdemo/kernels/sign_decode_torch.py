@@ -10,8 +10,8 @@ The path ``kernels='torch'`` runs these same operations, spread over the scheme
     p -= lr * sign(U)                                (sign=False: lr * U in the parameter's dtype)
 
 The last line is computed in float32 and rounded once to the parameter's dtype, as torch's CUDA ``_foreach_add_``
-does; its CPU kernels round ``lr`` and weight decay's factor to the dtype of 16-bit parameters first, so for those, and on the CPU only,
-the path ``kernels='torch'`` may land one unit of the last place away.
+does; its CPU kernels round ``lr`` and weight decay's factor to the dtype of 16-bit parameters first, so for those,
+and on the CPU only, the path ``kernels='torch'`` may land one unit of the last place away.
 """
 
 from __future__ import annotations
