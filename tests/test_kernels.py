@@ -459,6 +459,7 @@ def test_optim_args_kernels_triton_reaches_the_optimizer(tmp_path):
 # -- compiled for a GPU -------------------------------------------------------------------------------------------
 
 
+@needs_triton
 @pytest.mark.parametrize(
     ("device", "capability", "hip", "expected"),
     [
@@ -483,6 +484,7 @@ def test_products_take_three_tf32_products_only_where_the_gpu_has_tf32(monkeypat
 
 
 COMPILE = """
+import itertools
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -501,12 +503,12 @@ for precision in ("tf32x3", "ieee"):  # what dot_precision gives sm_80 and newer
     compile(_demo_encode_kernel, encode, dict(cols="i32", grid_cols="i32", tiles_per_grad="i32", decay="fp32",
             lr="fp32"), dict(GRAD=1, TILE_ROWS=13, TILE_COLS=40, A=16, B=64, K=32, SELECT=True, BITS=2, LEVELS=1,
             STOCHASTIC=True, WIRE=0, PRECISION=precision))
-for store in (False, True):  # storing, the table argument is the int32 indices (demo_decode)
+for store, precision in itertools.product((False, True), ("tf32x3", "ieee")):  # storing: the table is the indices
     decode = dict(table_ptr="*i32" if store else "*i64", out_ptr="*fp32", index_ptr="*i32", value_ptr="*bf16",
                   left_ptr="*fp32", right_ptr="*fp32")
     compile(_sign_decode_kernel, decode, dict(n_tiles="i32", cols="i32", grid_cols="i32", tiles_per_param="i32",
             neg_lr="fp32", decay="fp32"), dict(REPLICAS=3, K=100, KB=64, TILE_ROWS=7, TILE_COLS=40, A=16, B=64,
-            SELECTED=True, SIGN=False, PARAM=1, STORE=store, DECAY=not store, PRECISION="tf32x3"))
+            SELECTED=True, SIGN=False, PARAM=1, STORE=store, DECAY=not store, PRECISION=precision))
 from hf_flexdemo.kernels.rule_step import _rule_step_kernel
 
 for adam in (False, True):
