@@ -111,8 +111,8 @@ class RuleSettings:
         metadata={
             "help": "update='orthogonal': Newton-Schulz iterations per step. None (default): Muon's five, one quintic "
             "five times. 4 or 3: fewer products (a fifth or two fifths fewer), each iteration with its own quintic, "
-            "fitted to what the ones before it leave; a rougher orthogonalization (probed on one preset, see "
-            "docs/update-rules.md)."
+            "fitted to what the ones before it leave; a rougher orthogonalization (it lost loss on two of three "
+            "presets, see docs/update-rules.md)."
         },
     )
     betas: tuple[float, float] = field(
