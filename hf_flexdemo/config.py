@@ -86,7 +86,8 @@ class RuleSettings:
             "help": "How the decoded update becomes a step: 'orthogonal' (Newton-Schulz per 2-D matrix, as Muon; "
             "other tensors take elementwise_update), 'adam' (divided by a running RMS of itself per entry, "
             "beta2 = betas[1], eps) or 'sign' (DeMo). None: 'orthogonal' where it applies (demo, full, none), "
-            "'sign' on random and striding and with sign=False; diloco and sparseloco take their outer step."
+            "'sign' on random and striding and with sign=False. diloco and sparseloco: the inner step, AdamW when "
+            "unset, or 'orthogonal' for Muon's on the matrices (the replica's own momentum, orthogonalized)."
         },
     )
     elementwise_update: str | None = field(
@@ -529,11 +530,17 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
             with_sign = " with sign=False" if not self.sign else ""
             why = f" (the default on scheme={self.scheme!r}{with_sign})" if unset else ""
             fix = "drop elementwise_update, or set update='orthogonal'."
-            if default_update(self.scheme, self.sign) != "orthogonal":
+            if default_update(self.scheme, self.sign) != "orthogonal" and not self.traits.outer_steps:
                 fix = "drop elementwise_update (update='orthogonal' applies to 'demo', 'full', 'none' with sign=True)."
             raise ValueError(
                 f"FlexDeMo: elementwise_update={self.elementwise_update!r} applies to update='orthogonal' (the rule "
                 f"of the tensors it does not orthogonalize), but update is {self.update!r}{why}; {fix}"
+            )
+        if self.traits.outer_steps and self.elementwise_update != "adam":
+            raise ValueError(
+                f"FlexDeMo: elementwise_update={self.elementwise_update!r} cannot be the inner step of "
+                f"scheme={self.scheme!r}: what it does not orthogonalize takes its inner AdamW; drop "
+                "elementwise_update (or write 'adam')."
             )
 
     def _check_index_coding(self) -> None:
@@ -594,6 +601,9 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
         if traits.outer_steps:
             tiles = ("topk", "chunk") if traits.top_k else ()
             keys = ["scheme", "inner_steps", *tiles, "outer_lr", "outer_momentum", "betas", "value_dtype"]
+            keys += ["update"] if self.update == "orthogonal" else []
+            keys += ["ns_dtype"] if self.update == "orthogonal" and self.ns_dtype != "auto" else []
+            keys += ["ns_steps"] if self.update == "orthogonal" and self.ns_steps is not None else []
         else:
             keys = ["scheme", *(("topk", "chunk") if traits.top_k else ()), "decay", "update"]
             keys += ["sign"] if self.update == "sign" else []  # sign=False: the decoded update as it is
@@ -764,7 +774,9 @@ def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str =
     _check_bool("sign", group["sign"])
     update = group.get("update", "sign")
     _check_choice("update", update, UPDATE_RULES)
-    if update != "sign":
+    # Outer-step schemes with update='orthogonal': the groups of embeddings and heads take the inner AdamW.
+    elementwise_group = traits_of(scheme).outer_steps and update == elementwise_update == "adam"
+    if update != "sign" and not elementwise_group:
         _check_update_rule(update, group["sign"], scheme)
     uses_adam = update == "adam" or (update == "orthogonal" and elementwise_update == "adam")
     if not traits_of(scheme).outer_steps and not uses_adam:
@@ -779,10 +791,11 @@ def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str =
 
 def _check_update_rule(update: str, sign: bool, scheme: str) -> None:
     traits = traits_of(scheme)
-    if traits.outer_steps:
+    if traits.outer_steps and update != "orthogonal":
         raise ValueError(
             f"FlexDeMo: update={update!r} applies to the per-step schemes {schemes_where('per_step')}, not to "
-            f"scheme={scheme!r}, whose outer step is its own rule; leave update unset (or 'sign')."
+            f"scheme={scheme!r}, whose inner step is AdamW and whose outer step is its own rule; leave update unset "
+            "(inner AdamW), or set update='orthogonal' for Muon's inner step on the matrices."
         )
     if not sign:
         raise ValueError(

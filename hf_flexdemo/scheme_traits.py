@@ -22,8 +22,9 @@ class SchemeTraits:
     """Parameters move by the exchanged update alone, from a compressed payload: a lagging torchft node replays
     missed steps for less than a copy of the state (``full`` sends every entry: one step is already a copy)."""
     outer_steps: bool = False
-    """Local inner AdamW steps and an outer step every ``inner_steps`` (DiLoCo's kind): the update rules, whose
-    step is the per-step schemes', do not apply, and ``betas`` and ``eps`` are the inner AdamW's."""
+    """Local inner steps and an outer step every ``inner_steps`` (DiLoCo's kind): the inner step is AdamW's
+    (``betas`` and ``eps``), or with ``update='orthogonal'`` the orthogonal rule's on the replica's own momentum; the
+    other update rules, whose step is the per-step schemes', do not apply."""
     top_k: bool = False
     """Sends each tile's top-k entries: ``topk``, ``chunk``, ``value_bits``, ``pack_indices``, ``index_coding``."""
     dct: bool = False

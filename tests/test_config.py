@@ -49,6 +49,15 @@ BAD = [
     (dict(ns_steps=2), "ns_steps=2", "3, 4, 5"),
     (dict(update="adam", ns_steps=4), "ns_steps=4", "update='orthogonal'"),
     (dict(update="sign", ns_steps=5), "ns_steps=5", "drop ns_steps"),  # refused whatever its value
+    # Outer-step schemes: AdamW inside, or the orthogonal rule's step (the rest keeps AdamW)
+    (dict(scheme="diloco", update="adam"), "update='adam'", "set update='orthogonal' for Muon's inner step"),
+    (
+        dict(scheme="sparseloco", update="orthogonal", elementwise_update="sign"),
+        "elementwise_update='sign'",
+        "drop elementwise_update",
+    ),
+    (dict(scheme="diloco", elementwise_update="adam"), "elementwise_update='adam'", "or set update='orthogonal'"),
+    (dict(scheme="sparseloco", ns_steps=4), "ns_steps=4", "update='orthogonal'"),
     (dict(replay_steps=-1), "replay_steps=-1", ">= 0"),
     (dict(fault_tolerance="torchft", join_quorum="late"), "join_quorum='late'", "'before_forward', 'when_ready'"),
     (dict(join_quorum="when_ready"), "join_quorum='when_ready'", "fault_tolerance=torchft"),
@@ -179,6 +188,7 @@ def test_a_fraction_with_a_zero_denominator_is_refused_clearly():
         (dict(scheme="random"), ["rate", "sign"], ["topk", "chunk", "decode"]),
         (dict(scheme="none"), ["decay", "update"], ["value_dtype", "replicate_every", "topk"]),
         (dict(scheme="diloco"), ["inner_steps", "outer_lr"], ["decay", "update", "sign", "topk"]),
+        (dict(scheme="sparseloco", update="orthogonal", ns_steps=4), ["update", "ns_steps", "topk"], ["decay"]),
         (dict(ns_dtype="float32"), ["update", "ns_dtype"], ["sign"]),
         (dict(ns_dtype="bf16"), ["update", "ns_dtype"], ["sign"]),
         (dict(ns_dtype="auto"), ["update"], ["ns_dtype"]),  # the default, by device, goes unsaid

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.multiprocess
 
 SYNCING = ("demo", "random", "striding", "full", "diloco", "sparseloco")
 SYNCING += ("demo_1bit_packed", "demo_4bit", "demo_2bit_stochastic", "sparseloco_2bit_packed", "demo_shared")
-SYNCING += ("demo_2bit_elias_fano",)
+SYNCING += ("demo_2bit_elias_fano", "sparseloco_ortho")
 UPDATE_RULES = ("demo_adam", "demo_ortho", "full_ortho", "full_adam", "demo_ortho_adam")
 SYNCING += UPDATE_RULES
 ALL = (*SYNCING, "none")
@@ -64,7 +64,7 @@ def test_one_packed_collective_per_replication_step(ranks):
         s = rank["schemes"]
         for scheme in ("demo", "random", "striding", "full", "demo_shared", *UPDATE_RULES):
             assert [step["collectives"] for step in s[scheme]["per_step"][1:]] == [1] * 19
-        for scheme in ("diloco", "sparseloco"):
+        for scheme in ("diloco", "sparseloco", "sparseloco_ortho"):
             assert [step["collectives"] for step in s[scheme]["per_step"][1:]] == [
                 1 if i % 5 == 0 else 0 for i in range(2, 21)
             ]
@@ -75,7 +75,8 @@ def test_the_orthogonal_rule_moves_matrices_to_their_owners_and_back_inside_the_
     """Two all-to-alls over the node's own processes per step; never one across nodes."""
     for rank in ranks:
         s = rank["schemes"]
-        for scheme in ("demo", "full", "none", "demo_ortho", "full_ortho", "demo_ortho_adam"):  # the default rule
+        # The default rule, and Muon's inner step between outer steps (every step, outer or not)
+        for scheme in ("demo", "full", "none", "demo_ortho", "full_ortho", "demo_ortho_adam", "sparseloco_ortho"):
             assert [step["node_all_to_alls"] for step in s[scheme]["per_step"]] == [2] * 20, scheme
         for scheme in ("random", "striding", "diloco", "demo_adam"):
             assert all(step["node_all_to_alls"] == 0 for step in s[scheme]["per_step"]), scheme
@@ -96,8 +97,19 @@ def test_dense_all_reduce_counterfactual_and_compression(ranks):
 
 @pytest.mark.parametrize(
     "config",
-    ["demo", "demo_sign_mean", "demo_packed", "demo_elias_fano", "demo_every2", "random", "striding", "full", "none", "diloco"]
-    + ["demo_adam", "full_adam", "demo_ortho", "full_ortho", "demo_ortho_adam", "demo_ortho_ns3"],
+    [
+        "demo",
+        "demo_sign_mean",
+        "demo_packed",
+        "demo_elias_fano",
+        "demo_every2",
+        "random",
+        "striding",
+        "full",
+        "none",
+        "diloco",
+    ]
+    + ["demo_adam", "full_adam", "demo_ortho", "full_ortho", "demo_ortho_adam", "demo_ortho_ns3", "diloco_ortho"],
 )
 def test_sharded_replicas_match_the_one_process_reference(ranks, config):
     # Orthogonal: Newton-Schulz runs in float32 on both sides (on the whole matrix, gathered inside the node),
@@ -109,13 +121,16 @@ def test_sharded_replicas_match_the_one_process_reference(ranks, config):
     for rank in ranks:
         result = rank["oracle"][config]
         assert result["max_abs_err"] <= tolerance * max(1.0, result["scale"]), result
-        assert result["state_err"] <= 1e-12, result  # momentum, or DiLoCo's Adam moment and anchor
+        # Momentum, or DiLoCo's Adam moment and anchor: the anchor is the parameters at an outer step, so with
+        # Muon's inner step it carries their Newton-Schulz rounding.
+        state_tolerance = tolerance * max(1.0, result["scale"]) if config == "diloco_ortho" else 1e-12
+        assert result["state_err"] <= state_tolerance, result
 
 
 @pytest.mark.parametrize(
     "scheme",
     ["demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_shared", "demo_adam", "demo_ortho"]
-    + ["demo_eliasfano", "demo_derived"],
+    + ["demo_eliasfano", "demo_derived", "sparseloco_ortho"],
 )
 def test_checkpoint_restores_every_replicas_own_state(ranks, scheme):
     for rank in ranks:

@@ -213,6 +213,34 @@ def test_replicate_every_accumulates_without_moving_parameters():
     assert not all(torch.equal(p.detach(), q) for p, q in zip(params, before))
 
 
+@pytest.mark.parametrize("scheme", ["diloco", "sparseloco"])
+def test_update_orthogonal_makes_the_inner_step_muons_on_matrices_and_leaves_the_rest_to_adamw(scheme):
+    """Between outer steps: momentum, Nesterov and Newton-Schulz on the matrix; the inner AdamW on the vector and
+    on the embedding (``elementwise``); the matrix keeps no second moment."""
+    from hf_flexdemo.updates import newton_schulz
+
+    hp = dict(scheme=scheme, inner_steps=10, lr=0.02, betas=(0.9, 0.99))
+    table = torch.randn(10, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    params, twins = [*make_params(), torch.nn.Parameter(table.clone())], [*make_params(), torch.nn.Parameter(table)]
+    matrix, embedding = params[3], params[-1]  # (20, 12), and a table the Trainer would name an embedding
+    opt = FlexDeMo(params, update="orthogonal", ns_dtype="float32", elementwise=[embedding], **hp)
+    adamw = FlexDeMo(twins, **hp)  # the inner AdamW everywhere
+    start, momentum = matrix.detach().clone(), torch.zeros_like(matrix)
+    for step in range(3):
+        train(opt, params, 1, first=step)
+        train(adamw, twins, 1, first=step)
+        g = grads_for(step, params)[3]
+        momentum = 0.9 * momentum + 0.1 * g
+        nesterov = g + 0.9 * (momentum - g)
+        start = start - 0.02 * 20**0.5 * newton_schulz(nesterov, dtype=torch.float32)
+        torch.testing.assert_close(matrix.detach(), start, rtol=0, atol=1e-6)
+    for i, (p, q) in enumerate(zip(params, twins)):
+        if i != 3:
+            assert torch.equal(p, q), p.shape
+    assert "exp_avg_sq" not in opt.state[matrix] and "exp_avg_sq" in opt.state[embedding]
+    assert "update_sq" not in opt.state[embedding]  # the rules keep no state of their own here
+
+
 def test_diloco_synchronize_runs_one_outer_step_once():
     params = make_params()
     opt = FlexDeMo(params, **{**SMALL, "scheme": "diloco", "inner_steps": 10})

@@ -196,8 +196,8 @@ def test_the_default_rule_trains_like_its_explicit_settings():
 
 REFUSED = [
     (dict(update="lion"), "update='lion'", "'sign', 'adam', 'orthogonal'"),
-    (dict(update="adam", scheme="diloco"), "update='adam'", "leave update unset (or 'sign')"),
-    (dict(update="orthogonal", scheme="sparseloco"), "per-step schemes", "leave update unset (or 'sign')"),
+    (dict(update="adam", scheme="diloco"), "update='adam'", "leave update unset (inner AdamW)"),
+    (dict(update="adam", scheme="sparseloco"), "per-step schemes", "or set update='orthogonal'"),
     (dict(update="orthogonal", scheme="random"), "scattered subset", "scheme='demo' or 'full'"),
     (dict(update="adam", scheme="striding"), "scattered subset", "update='sign' with striding"),
     (dict(update="adam", sign=False), "sign=False", "drop sign=False"),
@@ -532,6 +532,22 @@ def test_a_sharded_checkpoint_of_other_rules_is_refused_before_torchs_loader_fai
         opt = FlexDeMo(model.parameters(), lr=1e-2, elementwise=[], **resumed)
         with pytest.raises(CheckpointException):
             dcp.load({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(checkpoint / "optimizer_0"))
+
+
+def test_a_sharded_sparseloco_checkpoint_with_muons_inner_step_resumes_through_the_check_and_the_loader(tmp_path):
+    """Its inner step keeps its state in the scheme's entries (no adam rule's): the check lets it through, and the
+    loader finds every entry the resumed run asks for."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from hf_flexdemo.integrations.trainer import _check_resumed_rules
+
+    hp = {"scheme": "sparseloco", "inner_steps": 2, "update": "orthogonal"}
+    checkpoint = _sharded_checkpoint(tmp_path, **hp)
+    _check_resumed_rules(checkpoint, FlexDeMoConfig(**hp))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    opt = FlexDeMo(model.parameters(), lr=1e-2, elementwise=[], **hp)
+    dcp.load({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(checkpoint / "optimizer_0"))
 
 
 def test_the_ns_steps_a_config_accepts_are_the_schedules_the_rule_has():

@@ -95,6 +95,23 @@ CONFIGS = {
         )
     },
     "sparseloco": ("flexdemo", "scheme=sparseloco,inner_steps=20,topk=64,value_bits=2,pack_indices=true"),
+    # Issue 45, direction 3: outer steps every 3 steps carrying `wire=2bit`'s coefficients (about 1,000x)
+    "sparseloco_h3_2bit": (
+        "flexdemo",
+        "scheme=sparseloco,inner_steps=3,topk=32,value_bits=2,pack_indices=true,index_coding=elias_fano",
+    ),
+    # ... and with the default rule's orthogonalized step inside (Muon's on the replica's own momentum); every 4
+    # steps, about 1,250x
+    **{
+        f"sparseloco_h{h}_2bit_ortho_adam": (
+            "flexdemo",
+            f"scheme=sparseloco,inner_steps={h},topk=32,value_bits=2,pack_indices=true,index_coding=elias_fano,"
+            "update=orthogonal,elementwise_update=adam",
+        )
+        for h in (3, 4)
+    },
+    # The control: nothing crosses nodes, each node trains alone with the default rule (what the wire is worth)
+    "none_ortho_adam": ("flexdemo", "scheme=none,update=orthogonal,elementwise_update=adam"),
 }
 WIRE_PROBES = {
     "demo_top128": "topk=128",
@@ -215,6 +232,11 @@ SWEEPS = {
         **dict.fromkeys(("demo_bf16", "demo_4bit", "demo_shared", "full", "random", "striding"), (8e-3,)),
         "diloco": (1e-3, 1.5e-3),
         "sparseloco": (2e-3, 4e-3),
+        "sparseloco_h3_2bit": (4e-3, 8e-3, 1.6e-2, 3.2e-2),  # each best at the top of the ones before
+        # The inner steps of Muon's size: from the default's rate up, as the best kept sitting at the top
+        **dict.fromkeys(
+            ("sparseloco_h3_2bit_ortho_adam", "sparseloco_h4_2bit_ortho_adam"), (4e-3, 8e-3, 1.6e-2, 3.2e-2)
+        ),
     },
     "t5": {
         "adamw_hsdp": (1e-3, 2e-3, 4e-3, 8e-3),
@@ -225,6 +247,7 @@ SWEEPS = {
         **dict.fromkeys(AT_DEMOS_T5_RATE, (4e-3,)),
         "diloco": (1e-3, 2e-3),
         "sparseloco": (2e-3, 4e-3),
+        "sparseloco_h3_2bit": (4e-3, 8e-3, 1.6e-2),
     },
     # At scale: each side's small-scale best and the next rate in the direction larger models move (down), the
     # compressed presets from their small-scale best (twice the default's) down.

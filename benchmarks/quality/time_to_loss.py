@@ -44,6 +44,9 @@ PRESET_CONFIGS = {  # wire= preset: the study's configuration with the default r
     "top16_2bit": "demo_top16_2bit_ortho_adam",
     "top4_1bit": "demo_aggressive_ortho_adam",
 }
+OUTER_STEP_POINTS = {  # a study configuration that sends a wire= preset's coefficients every H steps: (preset, H)
+    "sparseloco_h4_2bit_ortho_adam": ("2bit", 4),  # SparseLoCo with Muon's step inside (issue 45)
+}
 FORWARD_BACKWARD_MS = 220.0
 """One rank of a node of 8 H100s, OLMo2-1B, 4 x 2048 tokens (gpu_step.py --node_of 8, 2026-11-27)."""
 STEP_MS = {"adamw": 1.58, "flexdemo": 41.19}
@@ -64,21 +67,25 @@ def steps_to(row: dict, target: float) -> int | None:
 
 
 def modelled(study: Path, wire_bytes: dict) -> list[dict]:
-    """One record per wire preset run in ``study``: its loss against AdamW-HSDP and its time ratio per link."""
+    """One record per wire preset run in ``study``, and per outer-step point (:data:`OUTER_STEP_POINTS`): its loss
+    against AdamW-HSDP and its time ratio per link."""
     table = summarize(json.loads((study / "runs.json").read_text()))
     model = next(m for m, _ in table)
     adamw = table[(model, "adamw_hsdp")]
     total_steps, target = mean_curve(adamw)[-1]
+    points = [(preset, preset_config(table, model, preset), wire_bytes[preset]) for preset in PRESET_CONFIGS]
+    points += [
+        (f"{preset} every {h}", config, wire_bytes[preset] / h) for config, (preset, h) in OUTER_STEP_POINTS.items()
+    ]
     records = []
-    for preset in PRESET_CONFIGS:
-        config = preset_config(table, model, preset)
+    for label, config, sent in points:
         row = table.get((model, config))
         if row is None:
             continue
         reached = steps_to(row, target)
         record = {
             "study": model,
-            "wire": preset,
+            "wire": label,
             "config": config,
             "seeds": row["seeds"],
             "vs_adamw": row["vs_adamw"],
@@ -87,7 +94,8 @@ def modelled(study: Path, wire_bytes: dict) -> list[dict]:
         }
         for rate_name, rate in RATES.items():
             adamw_s = (FORWARD_BACKWARD_MS + STEP_MS["adamw"]) / 1e3 + 8 * wire_bytes["dense_bytes"] / rate
-            step_s = (FORWARD_BACKWARD_MS + STEP_MS["flexdemo"]) / 1e3 + 8 * wire_bytes[preset] / rate
+            # (an outer-step point's inner step is the default rule's Newton-Schulz, most of that step's time)
+            step_s = (FORWARD_BACKWARD_MS + STEP_MS["flexdemo"]) / 1e3 + 8 * sent / rate
             ratio = None if reached is None else reached * step_s / (total_steps * adamw_s)
             record[f"x_adamw_time {rate_name}"] = ratio
             record[f"x_adamw_run {rate_name}"] = step_s / adamw_s  # the same steps: the whole run's time
@@ -95,7 +103,7 @@ def modelled(study: Path, wire_bytes: dict) -> list[dict]:
             record[f"adamw_step_s {rate_name}"] = adamw_s
         # The link at which a step of each takes as long: above it AdamW-HSDP's smaller compute wins.
         extra_compute = (STEP_MS["flexdemo"] - STEP_MS["adamw"]) / 1e3
-        record["break_even_gbit"] = 8 * (wire_bytes["dense_bytes"] - wire_bytes[preset]) / extra_compute / 1e9
+        record["break_even_gbit"] = 8 * (wire_bytes["dense_bytes"] - sent) / extra_compute / 1e9
         records.append(record)
     return records
 
@@ -111,10 +119,19 @@ def frontier_plot(study: Path, out: Path, min_seeds: int = 3) -> Path:
     model = next(m for m, _ in table)
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, pick, marker in [
-        ("default rule (orthogonal + adam)", lambda n: n.endswith("_ortho_adam") and "_decay" not in n, "o"),
+        (
+            "default rule (orthogonal + adam)",
+            lambda n: n.endswith("_ortho_adam") and n.startswith(("demo", "wire")),
+            "o",
+        ),
         ("default rule, another decay", lambda n: "_ortho_adam_decay" in n, "x"),
         ("update=sign", lambda n: n.startswith("demo") and "_ortho" not in n and not n.endswith("_adam"), "s"),
-        ("SparseLoCo / DiLoCo (sign)", lambda n: n in ("sparseloco", "diloco"), "^"),
+        (
+            "SparseLoCo / DiLoCo, AdamW inside",
+            lambda n: n.startswith(("sparseloco", "diloco")) and "_ortho" not in n,
+            "^",
+        ),
+        ("SparseLoCo, the default rule's step inside", lambda n: n.startswith("sparseloco") and "_ortho" in n, "v"),
     ]:
         points = [
             (row["ratio_to_dense"], 100 * row["vs_adamw"], name.removesuffix("_ortho_adam"))

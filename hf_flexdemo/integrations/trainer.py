@@ -252,7 +252,9 @@ def _check_resumed_rules(checkpoint: Path, config: FlexDeMoConfig) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    check_saved_state_keys(keys, config.update, config.elementwise_update, where=str(checkpoint))
+    check_saved_state_keys(
+        keys, config.update, config.elementwise_update, where=str(checkpoint), outer_steps=config.traits.outer_steps
+    )
 
 
 def _card_hyperparameters(original, trainer) -> dict[str, Any]:

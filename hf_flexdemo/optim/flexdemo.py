@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -446,6 +446,8 @@ class FlexDeMo(torch.optim.Optimizer):
     ) -> tuple[list[list[torch.Tensor]], list[int]]:
         """Each bucket's local maths (momentum, encode): its payload, and one gradient's size (the dense baseline).
         ``grads``: a simulated replica's gradients by parameter (None: ``.grad``)."""
+        if self.config.traits.outer_steps and not sync_only:
+            self._inner_steps(stepping, ctx, drop_gradient, grads)
         payloads, grad_bytes = [], []
         for bucket in stepping:  # one bucket's gradients at a time: they are folded into its state
             bucket.grads = None if sync_only else bucket.gradients(drop_gradient, grads)
@@ -453,6 +455,20 @@ class FlexDeMo(torch.optim.Optimizer):
             grad_bytes.append(nbytes(bucket.grads[0]) if bucket.grads is not None else 0)
             bucket.release_grads()
         return payloads, grad_bytes
+
+    def _inner_steps(self, stepping: list[Bucket], ctx: StepContext, drop_gradient: bool, grads: dict | None) -> None:
+        """Outer-step schemes: each bucket's step on this replica's own gradient, before its payload; what the
+        scheme leaves to the group's rule (``update='orthogonal'``: the matrices) goes to the rules in batches."""
+
+        def own_updates() -> Iterator[Decoded]:
+            for bucket in stepping:
+                bucket.grads = bucket.gradients(drop_gradient, grads)
+                inner = self.scheme.inner_step(bucket, ctx)
+                bucket.release_grads()
+                if inner is not None:
+                    yield inner
+
+        self._apply_in_batches(own_updates(), ctx)
 
     def _finish(self, job: InFlight) -> None:
         """Wait for the step's exchange, and apply what came back: decode, then each bucket's update rule."""
@@ -476,19 +492,27 @@ class FlexDeMo(torch.optim.Optimizer):
 
     def decode_and_apply(self, buckets: list[Bucket], parts: list[Any], ctx: StepContext, *, decay: bool) -> None:
         """Decode each bucket's exchange and move its parameters by its rule (``decay``: with weight decay)."""
-        # Decoded updates are dense: the rules take them a few buckets at a time, so the step holds at most
-        # about one bucket's worth beside the state, not the whole model's.
+
+        def decoded_updates() -> Iterator[Decoded]:
+            for bucket, part in zip(buckets, parts):
+                decoded = self.scheme.apply(bucket, part, ctx)
+                if decoded is None:
+                    if decay:  # nothing to apply: the parameters still decay
+                        self.decay([bucket])
+                    continue
+                if decay:
+                    decoded.decay = 1 - bucket.group["lr"] * bucket.group["weight_decay"]
+                yield decoded
+
+        self._apply_in_batches(decoded_updates(), ctx)
+
+    def _apply_in_batches(self, decoded: Iterable[Decoded], ctx: StepContext) -> None:
+        """Decoded updates are dense: the rules take them a few buckets at a time, as they are made, so the step
+        holds at most about one bucket's worth beside the state, not the whole model's."""
         batch, entries = [], 0
-        for bucket, part in zip(buckets, parts):
-            decoded = self.scheme.apply(bucket, part, ctx)
-            if decoded is None:
-                if decay:  # nothing to apply: the parameters still decay
-                    self.decay([bucket])
-                continue
-            if decay:
-                decoded.decay = 1 - bucket.group["lr"] * bucket.group["weight_decay"]
-            batch.append(decoded)
-            entries += bucket.count * bucket.full_shape.numel()  # whole shapes: every process of a node agrees
+        for item in decoded:
+            batch.append(item)
+            entries += item.bucket.count * item.bucket.full_shape.numel()  # whole shapes: a node's processes agree
             if entries >= self.bucket_entries:
                 self._apply_rules(batch, ctx)
                 batch, entries = [], 0
@@ -557,7 +581,8 @@ class FlexDeMo(torch.optim.Optimizer):
         for bucket in buckets:  # every state entry exists from the first step on (see ReplicationScheme.init_state)
             bucket.scalars("step", torch.int64)
             self.scheme.init_state(bucket)
-            self._rule(bucket.group).init_state(bucket)
+            if not self.config.traits.outer_steps:  # their inner step keeps its state in the scheme's
+                self._rule(bucket.group).init_state(bucket)
             for slot in bucket.slots:
                 slot.state.counters(COUNTERS, 2)
                 self.scheme.check_state(slot)
@@ -615,7 +640,8 @@ class FlexDeMo(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_saved_rules(state_dict["param_groups"], self.param_groups)
-        check_saved_elementwise_rule(state_dict, self.param_groups, self.rules["orthogonal"].elementwise.name)
+        if not self.config.traits.outer_steps:  # their inner step's state is the scheme's
+            check_saved_elementwise_rule(state_dict, self.param_groups, self.rules["orthogonal"].elementwise.name)
         self._pending = None  # an exchange started before loading refers to the replaced state
         if self._simulated is not None:
             self._simulated.clear()  # gradients taken before the load belong to the replaced run

@@ -214,8 +214,11 @@ class FlexDeMoReference:
         hp, R = self.hp, self.replicas
         beta1, beta2 = hp["betas"]
         for r in range(R):
-            for p, g, (m1, m2) in zip(self.params[r], grads[r], self.adam[r]):
+            for i, (p, g, (m1, m2)) in enumerate(zip(self.params[r], grads[r], self.adam[r])):
                 m1.mul_(beta1).add_(g, alpha=1 - beta1)
+                if hp["update"] == "orthogonal" and p.dim() == 2:  # Muon's inner step: Nesterov, orthogonalized
+                    self._move(r, i, g + beta1 * (m1 - g))
+                    continue
                 m2.mul_(beta2).add_(g * g, alpha=1 - beta2)
                 m1_hat = m1 / (1 - beta1**self.t)
                 m2_hat = m2 / (1 - beta2**self.t)

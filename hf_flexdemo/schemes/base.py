@@ -5,7 +5,7 @@ Each phase takes a :class:`~hf_flexdemo.buckets.Bucket`: the parameters of one g
 share a local shape, handled as one ``(count, *shape)`` stack.
 
 1. ``local_step(bucket, ctx)`` for every bucket: local maths; returns the tensors the bucket
-   sends (or ``[]``);
+   sends (or ``[]``); outer-step schemes first take the replica's own step (``inner_step``);
 2. the optimizer packs all payloads into one collective of the scheme's ``collective`` kind;
 3. ``apply(bucket, received, ctx)`` for every bucket: decode what arrived into one update
    (:class:`Decoded`), which the parameter group's update rule (:mod:`hf_flexdemo.updates`)
@@ -144,6 +144,11 @@ class ReplicationScheme(ABC):
 
     def healed(self, param: torch.Tensor, state: StateView) -> None:
         """After this replica took a peer's parameters and shared state (fault tolerance)."""
+
+    def inner_step(self, bucket: Bucket, ctx: StepContext) -> Decoded | None:
+        """Outer-step schemes: the replica's own step on its own gradient, before ``local_step``. Returns what the
+        group's update rule is to apply to this replica alone (None: done here, or nothing to do)."""
+        return None
 
     @abstractmethod
     def local_step(self, bucket: Bucket, ctx: StepContext) -> list[torch.Tensor]:

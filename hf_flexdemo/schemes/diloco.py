@@ -12,6 +12,11 @@ Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Mo
 Replicas differ between outer steps and are bitwise identical right after one. The inner
 Adam moments stay local (per replica); anchor and outer momentum are the same everywhere.
 
+With ``update='orthogonal'`` the inner step of each matrix is Muon's instead of AdamW's: the replica's own
+momentum ``m = beta1 * m + (1 - beta1) * g``, Nesterov's ``g + beta1 * (m - g)``, orthogonalized by the
+orthogonal rule (:mod:`hf_flexdemo.updates.orthogonal`, which deals a node's shards out to their owners);
+everything else, embeddings and heads included, keeps the inner AdamW (``elementwise_update='adam'``).
+
 One replica: no communication; the outer step applies the replica's own pseudo-gradient,
 which makes it a Lookahead-style optimizer around AdamW.
 """
@@ -23,7 +28,7 @@ import torch
 from ..buckets import Bucket
 from ..scheme_traits import SchemeTraits
 from ..state_store import StateStore, StateView
-from .base import Collective, ReplicationScheme, StepContext
+from .base import Collective, Decoded, ReplicationScheme, StepContext
 from .momentum import momentum_dtype
 
 
@@ -45,21 +50,40 @@ class DiLoCoScheme(ReplicationScheme):
         return not self.replicas_match(state, step)
 
     def init_state(self, bucket: Bucket) -> None:
-        dtype = momentum_dtype(bucket.slots[0].param)
         self.anchor(bucket)  # the parameters before the first inner step
-        for key in ("exp_avg", "exp_avg_sq"):
-            bucket.per_replica(key, dtype)
+        self.init_inner_state(bucket)
         bucket.shared("outer_momentum", bucket.dtype)
         bucket.scalars("last_outer_step", torch.int64)
+
+    @staticmethod
+    def orthogonal_inside(bucket: Bucket) -> bool:
+        """Whether the replica's own step on ``bucket`` is the orthogonal rule's (``update='orthogonal'``, matrices)."""
+        return bucket.group["update"] == "orthogonal" and len(bucket.full_shape) == 2
+
+    def init_inner_state(self, bucket: Bucket) -> None:
+        """The inner step's moments, per replica: AdamW's two, or the orthogonal rule's momentum alone."""
+        keys = ("exp_avg",) if self.orthogonal_inside(bucket) else ("exp_avg", "exp_avg_sq")
+        for key in keys:
+            bucket.per_replica(key, momentum_dtype(bucket.slots[0].param))
 
     def healed(self, param: torch.Tensor, state: StateView) -> None:
         # Restart the inner loop from the anchor: the peer's inner progress is the peer's to send.
         if "anchor" in state.raw:  # (at step 0 the peer has none yet: its parameters are the anchor)
             param.copy_(StateStore.local(state.raw["anchor"], param))
 
-    def local_step(self, bucket: Bucket, ctx: StepContext) -> list[torch.Tensor]:
-        if bucket.grad is not None:
+    def inner_step(self, bucket: Bucket, ctx: StepContext) -> Decoded | None:
+        if bucket.grad is None:
+            return None
+        if not self.orthogonal_inside(bucket):
             self.inner_adamw(bucket, ctx.step)
+            return None
+        beta1 = bucket.group["betas"][0]
+        momentum = bucket.per_replica("exp_avg", momentum_dtype(bucket.slots[0].param))
+        grad = bucket.grad.to(momentum.dtype)
+        momentum.lerp_(grad, 1 - beta1)
+        return Decoded(bucket, dense=grad.lerp_(momentum, beta1).view(-1))  # Nesterov, as Muon
+
+    def local_step(self, bucket: Bucket, ctx: StepContext) -> list[torch.Tensor]:
         if not ctx.replicate:
             return []
         anchor = self.anchor(bucket)

@@ -3,7 +3,7 @@
 Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo" (arXiv 2508.15706).
 With ``theta`` the parameters at the last outer step (the anchor), per replica ``r``::
 
-    inner (every step, local):  AdamW on the replica's own gradients
+    inner (every step, local):  AdamW on the replica's own gradients (update='orthogonal': Muon's, see diloco)
     outer (every H steps):      delta_r = theta - p                     pseudo-gradient
                                 e_r     = beta * e_r + delta_r           error feedback (local)
                                 s_r     = Q(top-k of e_r per tile)       what travels
@@ -52,8 +52,8 @@ class SparseLoCoScheme(DiLoCoScheme):
 
     def init_state(self, bucket: Bucket) -> None:
         self.anchor(bucket)
-        for key in ("exp_avg", "exp_avg_sq", ERROR_FEEDBACK):
-            bucket.per_replica(key, momentum_dtype(bucket.slots[0].param))
+        self.init_inner_state(bucket)
+        bucket.per_replica(ERROR_FEEDBACK, momentum_dtype(bucket.slots[0].param))
         bucket.scalars("last_outer_step", torch.int64)
 
     @staticmethod
@@ -61,8 +61,6 @@ class SparseLoCoScheme(DiLoCoScheme):
         return DeMoScheme.plan(bucket)
 
     def local_step(self, bucket: Bucket, ctx: StepContext) -> list[torch.Tensor]:
-        if bucket.grad is not None:
-            self.inner_adamw(bucket, ctx.step)
         if not ctx.replicate:
             return []
         plan = self.plan(bucket)

@@ -56,12 +56,15 @@ def check_saved_elementwise_rule(state_dict: dict[str, Any], param_groups: list[
         )
 
 
-def _keeps_adam_state(update: str, elementwise_update: str) -> bool:
-    """Whether a run with these settings keeps adam's state (every HF model has norms or embeddings)."""
-    return update == "adam" or (update == "orthogonal" and elementwise_update == "adam")
+def _keeps_adam_state(update: str, elementwise_update: str, outer_steps: bool) -> bool:
+    """Whether a run with these settings keeps adam's state (every HF model has norms or embeddings). Outer-step
+    schemes keep their inner step's state in their own entries."""
+    return not outer_steps and (update == "adam" or (update == "orthogonal" and elementwise_update == "adam"))
 
 
-def check_saved_state_keys(keys: Iterable[str], update: str, elementwise_update: str, where: str) -> None:
+def check_saved_state_keys(
+    keys: Iterable[str], update: str, elementwise_update: str, where: str, outer_steps: bool = False
+) -> None:
     """Before a sharded (distributed-checkpoint) resume, from the keys the checkpoint's metadata lists.
 
     torch's loader asks the checkpoint for the state this run's rules create: a missing adam state
@@ -72,7 +75,7 @@ def check_saved_state_keys(keys: Iterable[str], update: str, elementwise_update:
     if not keys:  # saved before the first step: no rule's state yet
         return
     saved = any(key.endswith(f".{SECOND_MOMENT}") for key in keys)
-    if saved == _keeps_adam_state(update, elementwise_update):
+    if saved == _keeps_adam_state(update, elementwise_update, outer_steps):
         return
     run = f"update={update!r}" + (f", elementwise_update={elementwise_update!r}" if update == "orthogonal" else "")
     if saved:

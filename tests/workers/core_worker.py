@@ -49,6 +49,8 @@ VARIANTS = {  # wire formats of the top-k schemes, run like the schemes
     "full_ortho": dict(scheme="full", update="orthogonal", elementwise_update="sign"),
     "full_adam": dict(scheme="full", update="adam"),
     "demo_ortho_adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam"),
+    # Muon's inner step between SparseLoCo's outer steps (issue 45, direction 3)
+    "sparseloco_ortho": dict(scheme="sparseloco", update="orthogonal", value_bits=2, pack_indices=True),
 }
 SMALL = dict(topk=4, chunk=8, rate=0.25, inner_steps=5)
 
@@ -129,6 +131,7 @@ def check_oracle(mesh, coords) -> dict:
         "full": dict(scheme="full", sign=False),
         "none": dict(scheme="none", sign=False),
         "diloco": dict(scheme="diloco", inner_steps=3),
+        "diloco_ortho": dict(scheme="diloco", inner_steps=3, update="orthogonal", ns_dtype="float32"),
         "demo_adam": dict(scheme="demo", update="adam"),
         "full_adam": dict(scheme="full", update="adam"),
         # Newton-Schulz in float32 on both sides: bf16's rounding (the default) would swamp the comparison.
@@ -210,7 +213,8 @@ def shared_index_state(opt, p) -> torch.Tensor:
 def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
     """DCP save/load restores each replica's own state; a resumed run continues the same curve."""
     out = {}
-    names = ("demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_shared", "demo_adam", "demo_ortho")
+    names = ("demo", "random", "diloco", "sparseloco", "sparseloco_ortho", "demo_overlap", "demo_shared", "demo_adam")
+    names += ("demo_ortho",)
     for name in (*names, "demo_eliasfano", "demo_derived"):
         scheme, _, variant = name.partition("_")
         hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4}
