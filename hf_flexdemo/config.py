@@ -94,7 +94,8 @@ class RuleSettings:
         default=None,
         metadata={
             "help": "update='orthogonal': the rule of what it does not orthogonalize (norms, biases, embeddings, "
-            "heads), 'adam' (None: the default, as Muon leaves them to AdamW) or 'sign'."
+            "heads), 'adam' (None: the default, as Muon leaves them to AdamW) or 'sign' ('adam' only on diloco and "
+            "sparseloco: their inner AdamW)."
         },
     )
     ns_dtype: str = field(
@@ -117,7 +118,11 @@ class RuleSettings:
         },
     )
     betas: tuple[float, float] = field(
-        default=(0.9, 0.999), metadata={"help": "diloco, sparseloco: inner AdamW betas; update='adam': beta2."}
+        default=(0.9, 0.999),
+        metadata={
+            "help": "diloco, sparseloco: inner AdamW betas (with update='orthogonal', betas[0] is also the matrices' "
+            "inner momentum); update='adam': beta2."
+        },
     )
     eps: float = field(
         default=1e-8, metadata={"help": "diloco, sparseloco: inner AdamW epsilon; update='adam': its epsilon."}
@@ -522,6 +527,11 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
         if unset:
             self.update = default_update(self.scheme, self.sign)
         _check_choice("update", self.update, UPDATE_RULES)
+        if self.traits.outer_steps and self.update == "sign" and not unset:  # it would train with AdamW inside
+            raise ValueError(
+                f"FlexDeMo: update='sign' does not apply to scheme={self.scheme!r}: its inner step is AdamW (update "
+                "unset) or Muon's on the matrices (update='orthogonal'); drop update, or write update='orthogonal'."
+            )
         if self.elementwise_update is None:
             self.elementwise_update = DEFAULT_ELEMENTWISE_UPDATE if self.update == "orthogonal" else "sign"
             return
@@ -751,8 +761,9 @@ def default_update(scheme: str, sign: bool = True) -> str:
     """The rule ``update=None`` stands for: ``orthogonal`` where a rule applies, else ``sign``.
 
     ``random`` and ``striding`` send a scattered subset, which no rule but ``sign`` can take; DiLoCo and
-    SparseLoCo move parameters by their own outer step (``update`` is not read there); ``sign=False`` is a
-    variant of the sign rule (the decoded update as it is), so it keeps that rule.
+    SparseLoCo move parameters by their own outer step and take AdamW's inner step unless ``update='orthogonal'``
+    (``sign`` stands for that AdamW here); ``sign=False`` is a variant of the sign rule (the decoded update as it
+    is), so it keeps that rule.
     """
     traits = traits_of(scheme)
     if traits.subset or traits.outer_steps or not sign:

@@ -58,6 +58,7 @@ BAD = [
     ),
     (dict(scheme="diloco", elementwise_update="adam"), "elementwise_update='adam'", "or set update='orthogonal'"),
     (dict(scheme="sparseloco", ns_steps=4), "ns_steps=4", "update='orthogonal'"),
+    (dict(scheme="diloco", update="sign"), "update='sign' does not apply", "drop update, or write update='orthogonal'"),
     (dict(replay_steps=-1), "replay_steps=-1", ">= 0"),
     (dict(fault_tolerance="torchft", join_quorum="late"), "join_quorum='late'", "'before_forward', 'when_ready'"),
     (dict(join_quorum="when_ready"), "join_quorum='when_ready'", "fault_tolerance=torchft"),

@@ -167,7 +167,7 @@ DEFAULTS = [
     (("none", True), ("orthogonal", "adam")),
     (("random", True), ("sign", "sign")),  # a scattered subset: no whole matrix, no per-entry count
     (("striding", True), ("sign", "sign")),
-    (("diloco", True), ("sign", "sign")),  # their own outer step; update is not read
+    (("diloco", True), ("sign", "sign")),  # their own outer step, AdamW inside unless update='orthogonal'
     (("sparseloco", True), ("sign", "sign")),
     (("demo", False), ("sign", "sign")),  # sign=False is the sign rule's variant
 ]
@@ -181,7 +181,11 @@ def test_the_default_rule_is_orthogonal_with_adam_for_the_rest_where_it_applies(
     params = make_params()
     opt = FlexDeMo(params, scheme=scheme, sign=sign, elementwise=params[:1])
     assert {group["update"] for group in opt.param_groups} == set(resolved)
-    assert FlexDeMoConfig(scheme=scheme, sign=sign, update="sign").elementwise_update == "sign"
+    if scheme in ("diloco", "sparseloco"):  # there an explicit 'sign' would read as AdamW inside: refused
+        with pytest.raises(ValueError, match="update='sign' does not apply"):
+            FlexDeMoConfig(scheme=scheme, sign=sign, update="sign")
+    else:
+        assert FlexDeMoConfig(scheme=scheme, sign=sign, update="sign").elementwise_update == "sign"
 
 
 def test_the_default_rule_trains_like_its_explicit_settings():
@@ -534,19 +538,28 @@ def test_a_sharded_checkpoint_of_other_rules_is_refused_before_torchs_loader_fai
             dcp.load({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(checkpoint / "optimizer_0"))
 
 
-def test_a_sharded_sparseloco_checkpoint_with_muons_inner_step_resumes_through_the_check_and_the_loader(tmp_path):
-    """Its inner step keeps its state in the scheme's entries (no adam rule's): the check lets it through, and the
-    loader finds every entry the resumed run asks for."""
+@pytest.mark.parametrize(
+    ("saved", "resumed", "write"),
+    [
+        ({"update": "orthogonal"}, {}, "Resume with update=orthogonal"),
+        ({}, {"update": "orthogonal"}, "Resume with no update"),
+    ],
+)
+def test_a_sharded_sparseloco_checkpoint_resumes_only_with_its_own_inner_step(tmp_path, saved, resumed, write):
+    """Muon's inner step keeps no second moment for the matrices, AdamW's does: the other one is refused before
+    torch's loader fails on the entry it lacks; the same one passes the check and the loader."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from hf_flexdemo.integrations.trainer import _check_resumed_rules
 
-    hp = {"scheme": "sparseloco", "inner_steps": 2, "update": "orthogonal"}
-    checkpoint = _sharded_checkpoint(tmp_path, **hp)
-    _check_resumed_rules(checkpoint, FlexDeMoConfig(**hp))
+    outer = {"scheme": "sparseloco", "inner_steps": 2}
+    checkpoint = _sharded_checkpoint(tmp_path, **outer, **saved)
+    with pytest.raises(ValueError, match=rf"checkpoint {checkpoint} was trained with .*{write}"):
+        _check_resumed_rules(checkpoint, FlexDeMoConfig(**outer, **resumed))
+    _check_resumed_rules(checkpoint, FlexDeMoConfig(**outer, **saved))
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
-    opt = FlexDeMo(model.parameters(), lr=1e-2, elementwise=[], **hp)
+    opt = FlexDeMo(model.parameters(), lr=1e-2, elementwise=[], **outer, **saved)
     dcp.load({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(checkpoint / "optimizer_0"))
 
 

@@ -235,7 +235,7 @@ SWEEPS = {
         "sparseloco_h3_2bit": (4e-3, 8e-3, 1.6e-2, 3.2e-2),  # each best at the top of the ones before
         # The inner steps of Muon's size: from the default's rate up, as the best kept sitting at the top
         **dict.fromkeys(
-            ("sparseloco_h3_2bit_ortho_adam", "sparseloco_h4_2bit_ortho_adam"), (4e-3, 8e-3, 1.6e-2, 3.2e-2)
+            ("sparseloco_h3_2bit_ortho_adam", "sparseloco_h4_2bit_ortho_adam"), (4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)
         ),
     },
     "t5": {
@@ -268,7 +268,8 @@ SWEEPS = {
     # Fine-tuning: swept from 2.5e-4 (fine-tuning often wants small steps) up to where the loss turns
     # (8e-3 won at the top of 2.5e-4..8e-3 for AdamW-HSDP, demo and orthogonal + adam, hence 1.6e-2).
     "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2) for name in CONFIGS}
-    | {"demo_adam": (2e-3, 4e-3, 8e-3, 1.6e-2), "demo_ortho": (4e-3, 8e-3, 1.6e-2)},  # about the others' best (8e-3)
+    | {"demo_adam": (2e-3, 4e-3, 8e-3, 1.6e-2), "demo_ortho": (4e-3, 8e-3, 1.6e-2)}  # about the others' best (8e-3)
+    | {"sparseloco_h4_2bit_ortho_adam": (4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)},  # as on pretraining: the best at the top
 }
 
 for _model in ("olmo2_10x", "olmo2_125m"):

@@ -66,10 +66,19 @@ def steps_to(row: dict, target: float) -> int | None:
     return next((step for step, loss in mean_curve(row) if loss <= target), None)
 
 
-def modelled(study: Path, wire_bytes: dict) -> list[dict]:
+def study_runs(study: Path, also: list[Path] = ()) -> list[dict]:
+    """The runs of ``study``, and those of the same model in the ``also`` directories (probes kept apart)."""
+    runs = json.loads((study / "runs.json").read_text())
+    models = {run["model"] for run in runs}
+    for extra in also:
+        runs += [run for run in json.loads((extra / "runs.json").read_text()) if run["model"] in models]
+    return runs
+
+
+def modelled(study: Path, wire_bytes: dict, also: list[Path] = ()) -> list[dict]:
     """One record per wire preset run in ``study``, and per outer-step point (:data:`OUTER_STEP_POINTS`): its loss
     against AdamW-HSDP and its time ratio per link."""
-    table = summarize(json.loads((study / "runs.json").read_text()))
+    table = summarize(study_runs(study, also))
     model = next(m for m, _ in table)
     adamw = table[(model, "adamw_hsdp")]
     total_steps, target = mean_curve(adamw)[-1]
@@ -108,14 +117,15 @@ def modelled(study: Path, wire_bytes: dict) -> list[dict]:
     return records
 
 
-def frontier_plot(study: Path, out: Path, min_seeds: int = 3) -> Path:
-    """Loss against AdamW-HSDP's over "x fewer bytes than dense", the default rule's wires and the sign rule's."""
+def frontier_plot(study: Path, out: Path, min_seeds: int = 3, also: list[Path] = ()) -> Path:
+    """Loss against AdamW-HSDP's over "x fewer bytes than dense", the default rule's wires and the sign rule's, and
+    what sending nothing reaches (``scheme=none``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table = summarize(json.loads((study / "runs.json").read_text()))
+    table = summarize(study_runs(study, also))
     model = next(m for m, _ in table)
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, pick, marker in [
@@ -157,6 +167,10 @@ def frontier_plot(study: Path, out: Path, min_seeds: int = 3) -> Path:
             ax.annotate(name, (x, y), fontsize=7, xytext=(3, -9), textcoords="offset points")
     ax.axhline(0, color="black", linewidth=1)
     ax.axhline(3, color="grey", linewidth=0.8, linestyle=":")
+    alone = table.get((model, "none_ortho_adam"))
+    if alone and alone["seeds"] >= min_seeds and "vs_adamw" in alone:  # a wire above this line buys nothing
+        label = "nothing sent (scheme=none, default rule): a wire must end below it"
+        ax.axhline(100 * alone["vs_adamw"], color="red", linewidth=1, linestyle="--", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("x fewer bytes per step than AdamW-HSDP's dense all-reduce (log)")
     ax.set_ylabel("final validation loss against AdamW-HSDP (%; below 0 is better)")
@@ -215,13 +229,17 @@ def main() -> None:
         "--wire_bytes", type=Path, default=ROOT / "benchmarks" / "results" / "quality" / "wire_presets.json"
     )
     parser.add_argument("--out", type=Path, required=True, help="where the JSON and the frontier PNGs go")
+    parser.add_argument(
+        "--also", type=Path, nargs="*", default=[], help="study directories of probes, merged into their model's study"
+    )
+    parser.add_argument("--min_seeds", type=int, default=3, help="a configuration with fewer seeds is left out")
     args = parser.parse_args()
     presets = json.loads(args.wire_bytes.read_text())
     wire_bytes = {p["wire"]: p["bytes_per_step"] for p in presets["presets"]} | {"dense_bytes": presets["dense_bytes"]}
     args.out.mkdir(parents=True, exist_ok=True)
-    records = [r for study in args.study for r in modelled(study, wire_bytes)]
+    records = [r for study in args.study for r in modelled(study, wire_bytes, args.also)]
     for study in args.study:
-        print(f"frontier: {frontier_plot(study, args.out)}")
+        print(f"frontier: {frontier_plot(study, args.out, args.min_seeds, args.also)}")
     print_table(records)
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in records]
     (args.out / "time_to_loss.json").write_text(json.dumps(clean, indent=1))

@@ -35,7 +35,7 @@ import transformers.trainer
 from .. import elastic, refusals
 from ..config import FlexDeMoConfig
 from ..optim import FlexDeMo, unwrap_flexdemo
-from ..updates import check_saved_state_keys, elementwise_parameters
+from ..updates import check_saved_inner_step, check_saved_state_keys, elementwise_parameters
 from .accelerate_plugin import check_flexdemo_layout, fp16_refusal
 from .callback import FlexDeMoCallback
 from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
@@ -252,9 +252,10 @@ def _check_resumed_rules(checkpoint: Path, config: FlexDeMoConfig) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    check_saved_state_keys(
-        keys, config.update, config.elementwise_update, where=str(checkpoint), outer_steps=config.traits.outer_steps
-    )
+    if config.traits.outer_steps:  # their inner step keeps its state in the scheme's entries
+        check_saved_inner_step(keys, config.update, where=str(checkpoint))
+    else:
+        check_saved_state_keys(keys, config.update, config.elementwise_update, where=str(checkpoint))
 
 
 def _card_hyperparameters(original, trainer) -> dict[str, Any]:

@@ -74,7 +74,8 @@ class SparseCoefficients:
 
 @dataclass
 class Decoded:
-    """One bucket's decoded update after an exchange: identical on every replica."""
+    """One bucket's decoded update after an exchange: identical on every replica (or, from an outer-step scheme's
+    ``inner_step``, this replica's own update, which the orthogonal rule orthogonalizes whatever its scale)."""
 
     bucket: Bucket
     dense: torch.Tensor | None = None

@@ -1,4 +1,4 @@
-"""DiLoCo: H local AdamW steps per replica, then an outer Nesterov step on the averaged change.
+"""DiLoCo: H local steps per replica (AdamW, or Muon's), then an outer Nesterov step on the averaged change.
 
 Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models"
 (arXiv 2311.08105). With ``theta`` the parameters at the last outer step (the anchor)::
@@ -18,7 +18,7 @@ orthogonal rule (:mod:`hf_flexdemo.updates.orthogonal`, which deals a node's sha
 everything else, embeddings and heads included, keeps the inner AdamW (``elementwise_update='adam'``).
 
 One replica: no communication; the outer step applies the replica's own pseudo-gradient,
-which makes it a Lookahead-style optimizer around AdamW.
+which makes it a Lookahead-style optimizer around its inner step.
 """
 
 from __future__ import annotations

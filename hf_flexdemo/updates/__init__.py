@@ -13,7 +13,8 @@ replica. The rule named by the parameter group's ``update`` turns that update in
 - ``sign``: ``p -= lr * sign(u)`` (DeMo's rule; ``lr * u`` with ``sign=False``).
 
 A rule sees only the decoded update, which is identical on every replica, and computes a
-deterministic function of it: replicas stay identical without any inter-node traffic.
+deterministic function of it: replicas stay identical without any inter-node traffic. (DiLoCo and SparseLoCo with
+``update='orthogonal'`` also hand the orthogonal rule each replica's own inner update, between outer steps.)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .adam import AdamRule
 from .base import Decoded, UpdateRule
 from .groups import elementwise_parameters, with_elementwise_groups
 from .orthogonal import OrthogonalRule, newton_schulz
-from .resume import check_saved_elementwise_rule, check_saved_rules, check_saved_state_keys
+from .resume import check_saved_elementwise_rule, check_saved_inner_step, check_saved_rules, check_saved_state_keys
 from .sign import SignRule
 
 RULE_CLASSES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (SignRule, AdamRule, OrthogonalRule)}
@@ -43,6 +44,7 @@ __all__ = [
     "UpdateRule",
     "build_rules",
     "check_saved_elementwise_rule",
+    "check_saved_inner_step",
     "check_saved_rules",
     "check_saved_state_keys",
     "elementwise_parameters",

@@ -29,7 +29,8 @@ every owner the row shards of its matrices, the owner orthogonalizes them whole,
 all-to-all sends each process its rows back. A node thus runs Newton-Schulz once per matrix,
 not once per process, and no process holds more whole matrices than it owns. Every replica
 deals the same matrices to the same local ranks and runs the same arithmetic on the same
-update, so replicas stay bitwise identical.
+update, so replicas stay bitwise identical. (The inner step of DiLoCo and SparseLoCo with ``update='orthogonal'``
+runs the same way on each replica's own momentum, between outer steps.)
 """
 
 from __future__ import annotations

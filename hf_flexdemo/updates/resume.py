@@ -1,4 +1,4 @@
-"""A resumed run keeps the update rules its checkpoint was trained with.
+"""A resumed run keeps the update rules its checkpoint was trained with (DiLoCo and SparseLoCo: its inner step).
 
 torch's ``load_state_dict`` restores the saved groups' ``update`` silently, and a rule's state
 (adam's second moment) means nothing to another rule: a mismatch is refused, naming what to write.
@@ -6,7 +6,7 @@ torch's ``load_state_dict`` restores the saved groups' ``update`` silently, and 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .adam import SECOND_MOMENT, AdamRule
@@ -56,15 +56,12 @@ def check_saved_elementwise_rule(state_dict: dict[str, Any], param_groups: list[
         )
 
 
-def _keeps_adam_state(update: str, elementwise_update: str, outer_steps: bool) -> bool:
-    """Whether a run with these settings keeps adam's state (every HF model has norms or embeddings). Outer-step
-    schemes keep their inner step's state in their own entries."""
-    return not outer_steps and (update == "adam" or (update == "orthogonal" and elementwise_update == "adam"))
+def _keeps_adam_state(update: str, elementwise_update: str) -> bool:
+    """Whether a run with these settings keeps adam's state (every HF model has norms or embeddings)."""
+    return update == "adam" or (update == "orthogonal" and elementwise_update == "adam")
 
 
-def check_saved_state_keys(
-    keys: Iterable[str], update: str, elementwise_update: str, where: str, outer_steps: bool = False
-) -> None:
+def check_saved_state_keys(keys: Iterable[str], update: str, elementwise_update: str, where: str) -> None:
     """Before a sharded (distributed-checkpoint) resume, from the keys the checkpoint's metadata lists.
 
     torch's loader asks the checkpoint for the state this run's rules create: a missing adam state
@@ -75,7 +72,7 @@ def check_saved_state_keys(
     if not keys:  # saved before the first step: no rule's state yet
         return
     saved = any(key.endswith(f".{SECOND_MOMENT}") for key in keys)
-    if saved == _keeps_adam_state(update, elementwise_update, outer_steps):
+    if saved == _keeps_adam_state(update, elementwise_update):
         return
     run = f"update={update!r}" + (f", elementwise_update={elementwise_update!r}" if update == "orthogonal" else "")
     if saved:
@@ -99,3 +96,27 @@ def _rules(rules: list[str]) -> str:
 def _resume_hint(saved_rules: list[str]) -> str:
     """What to write for a checkpoint of one rule (those of several name theirs in the message)."""
     return f" (update={saved_rules[0]!r} in optim_args)" if len(set(saved_rules)) == 1 else ""
+
+
+def check_saved_inner_step(metadata: Mapping[str, Any], update: str, where: str) -> None:
+    """Outer-step schemes, before a sharded resume: AdamW's inner step keeps a second moment (``exp_avg_sq``) for
+    every tensor, Muon's (``update='orthogonal'``) none for the matrices it orthogonalizes, so the loader would fail
+    on the entry one run lacks. ``metadata``: the checkpoint's entries by key, with their sizes."""
+    matrices = [
+        key.removesuffix(".exp_avg")
+        for key, meta in metadata.items()
+        if ".state." in key and key.endswith(".exp_avg") and len(getattr(meta, "size", ())) == 2
+    ]
+    if not matrices:  # saved before the first step, or no matrix
+        return
+    saved_muon = any(f"{key}.exp_avg_sq" not in metadata for key in matrices)
+    if saved_muon == (update == "orthogonal"):
+        return
+    was = "Muon's inner step on the matrices (update='orthogonal')" if saved_muon else "the inner AdamW (update unset)"
+    run = "update='orthogonal'" if update == "orthogonal" else "the inner AdamW (update unset)"
+    write = "update=orthogonal" if saved_muon else "no update (drop update=orthogonal)"
+    raise ValueError(
+        f"FlexDeMo: the checkpoint {where} was trained with {was}, but this run takes {run}; its state would not "
+        f"match. Resume with {write} in optim_args, as the checkpoint was trained, or start a new run in another "
+        "output_dir."
+    )
