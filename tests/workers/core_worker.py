@@ -223,7 +223,8 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
             hp.update(value_bits=2, pack_indices=True, index_coding="elias_fano")
         if variant == "derived":  # values at the positions every replica derives, beside the top 4
             hp.update(derived_topk=8, value_bits=1, pack_indices=True, index_coding="elias_fano")
-        hp.update(update={"adam": "adam", "ortho": "orthogonal"}.get(variant, "sign"))
+        outer = scheme in ("diloco", "sparseloco")  # AdamW inside unless 'ortho' (an explicit 'sign' is refused)
+        hp.update(update={"adam": "adam", "ortho": "orthogonal"}.get(variant, None if outer else "sign"))
         model = build(mesh)
         opt = FlexDeMo(model.parameters(), mesh=mesh, **hp)
         train(model, opt, coords, 6)
