@@ -248,6 +248,7 @@ SWEEPS = {
         "diloco": (1e-3, 2e-3),
         "sparseloco": (2e-3, 4e-3),
         "sparseloco_h3_2bit": (4e-3, 8e-3, 1.6e-2),
+        "sparseloco_h4_2bit_ortho_adam": (8e-3, 1.6e-2, 3.2e-2),  # from the default's T5 rate up
     },
     # At scale: each side's small-scale best and the next rate in the direction larger models move (down), the
     # compressed presets from their small-scale best (twice the default's) down.
