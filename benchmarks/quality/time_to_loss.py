@@ -174,8 +174,8 @@ def frontier_plot(study: Path, out: Path, min_seeds: int = 3, also: list[Path] =
     ax.set_xscale("log")
     ax.set_xlabel("x fewer bytes per step than AdamW-HSDP's dense all-reduce (log)")
     ax.set_ylabel("final validation loss against AdamW-HSDP (%; below 0 is better)")
-    seeds = f"{min_seeds} seeds" if min_seeds > 1 else "seed 0 or more (means over each one's seeds)"
-    title = f"{model}: loss against bytes, {seeds}, rates swept (dotted: +3%, issue 35's bound)"
+    seeds = f"{min_seeds} seeds" if min_seeds > 1 else "1 to 3 seeds, means"
+    title = f"{model}: loss against bytes, {seeds}, rates swept (dotted: +3%)"
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
