@@ -199,6 +199,13 @@ class ReplicationSettings:
             "top-k alone."
         },
     )
+    factor_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "lowrank: the rank of the factors each matrix sends (one side a step, in a basis every replica "
+            "shares; at most the matrix's smaller side). Unset: 1."
+        },
+    )
 
     def _check_replication(self) -> None:
         _check_choice("scheme", self.scheme, scheme_names())
@@ -213,6 +220,8 @@ class ReplicationSettings:
         _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
         if self.derived_topk is not None:
             _check_int("derived_topk", self.derived_topk, low=1)
+        if self.factor_rank is not None:
+            _check_int("factor_rank", self.factor_rank, low=1)
 
     @property
     def traits(self) -> SchemeTraits:
@@ -237,8 +246,9 @@ class WireSettings:
     value_bits: int = field(
         default=0,
         metadata={
-            "help": "demo, sparseloco: 0 sends values in value_dtype; 1 their signs and each tile's mean "
-            "magnitude; 2, 4 or 8 a symmetric integer code per value and one float32 scale per tile. The "
+            "help": "demo, sparseloco, lowrank: 0 sends values in value_dtype; 1 their signs and each tile's (lowrank: "
+            "factor column's) mean magnitude; 2, 4 or 8 a symmetric integer code per value and one float32 scale "
+            "per tile (column). The "
             "rounding error stays in the momentum (error feedback)."
         },
     )
@@ -452,9 +462,17 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
                 f"{schemes_where('per_step')}, not to scheme={self.scheme!r}; leave it at 1"
                 + (" and set inner_steps instead." if self.traits.outer_steps else ".")
             )
-        if self.value_bits and not self.traits.top_k:
+        if self.factor_rank is not None and not self.traits.low_rank:
             raise ValueError(
-                f"FlexDeMo: value_bits={self.value_bits} applies to the top-k schemes {schemes_where('top_k')}, not "
+                f"FlexDeMo: factor_rank={self.factor_rank} applies to scheme='lowrank' (low-rank factors), not "
+                f"scheme={self.scheme!r}; drop factor_rank, or write scheme='lowrank'."
+            )
+        if self.traits.low_rank and self.factor_rank is None:
+            self.factor_rank = 1
+        if self.value_bits and not (self.traits.top_k or self.traits.low_rank):
+            raise ValueError(
+                f"FlexDeMo: value_bits={self.value_bits} applies to the top-k schemes {schemes_where('top_k')} and "
+                f"to 'lowrank', not "
                 f"scheme={self.scheme!r}; leave it at 0 (for fewer bytes there, use value_dtype='bf16'), or for "
                 "low-bit outer steps use scheme='sparseloco'."
             )
@@ -622,6 +640,7 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
             keys += ["ns_steps"] if self.update == "orthogonal" and self.ns_steps is not None else []
             keys += ["decode"] if traits.dct and not self.shared_indices else []  # shared: a sum
             keys += ["rate"] if traits.subset else []
+            keys += ["factor_rank"] if traits.low_rank else []
             keys += ["value_dtype", "replicate_every"] if traits.sends else []
         keys += [key for key in ("overlap", "value_bits", "pack_indices", "shared_indices") if getattr(self, key)]
         keys += ["index_coding"] if self.index_coding != "fixed" else []

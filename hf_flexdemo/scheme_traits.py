@@ -29,6 +29,9 @@ class SchemeTraits:
     """Sends each tile's top-k entries: ``topk``, ``chunk``, ``value_bits``, ``pack_indices``, ``index_coding``."""
     dct: bool = False
     """DeMo's top-k of the momentum's DCT: ``wire`` presets, ``decode``, ``shared_indices``, ``derived_topk``."""
+    low_rank: bool = False
+    """Sends one side of each matrix's low-rank factorization in a shared basis, no indices: ``factor_rank``,
+    ``value_bits``, ``rounding``."""
     subset: bool = False
     """Sends a scattered subset of the momentum's entries (``rate``): only the sign rule takes it."""
     fused_kernels: bool = False

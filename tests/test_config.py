@@ -19,7 +19,7 @@ BAD = [
     (dict(decay=-0.1), "decay=-0.1", "[0.0, 1.0)"),
     (dict(lr=-1e-3), "lr=-0.001", "[0.0, inf)"),
     (dict(weight_decay=-0.1), "weight_decay=-0.1", "[0.0, inf)"),
-    (dict(scheme="sgd"), "scheme='sgd'", "'demo', 'full', 'none', 'diloco', 'sparseloco', 'random', 'striding'"),
+    (dict(scheme="sgd"), "scheme='sgd'", "'demo', 'full', 'none', 'diloco', 'lowrank', 'sparseloco', 'random', 'striding'"),
     (dict(replicate_every=0), "replicate_every=0", ">= 1"),
     (dict(scheme="diloco", replicate_every=2), "replicate_every=2", "inner_steps"),
     (dict(scheme="diloco", inner_steps=0), "inner_steps=0", ">= 1"),

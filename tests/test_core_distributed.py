@@ -13,7 +13,7 @@ pytestmark = pytest.mark.multiprocess
 
 SYNCING = ("demo", "random", "striding", "full", "diloco", "sparseloco")
 SYNCING += ("demo_1bit_packed", "demo_4bit", "demo_2bit_stochastic", "sparseloco_2bit_packed", "demo_shared")
-SYNCING += ("demo_2bit_elias_fano", "sparseloco_ortho")
+SYNCING += ("demo_2bit_elias_fano", "sparseloco_ortho", "lowrank_1bit")
 UPDATE_RULES = ("demo_adam", "demo_ortho", "full_ortho", "full_adam", "demo_ortho_adam")
 SYNCING += UPDATE_RULES
 ALL = (*SYNCING, "none")
@@ -62,7 +62,7 @@ def test_counters_equal_the_bytes_put_on_the_wire(ranks, scheme):
 def test_one_packed_collective_per_replication_step(ranks):
     for rank in ranks:
         s = rank["schemes"]
-        for scheme in ("demo", "random", "striding", "full", "demo_shared", *UPDATE_RULES):
+        for scheme in ("demo", "random", "striding", "full", "demo_shared", "lowrank_1bit", *UPDATE_RULES):
             assert [step["collectives"] for step in s[scheme]["per_step"][1:]] == [1] * 19
         for scheme in ("diloco", "sparseloco", "sparseloco_ortho"):
             assert [step["collectives"] for step in s[scheme]["per_step"][1:]] == [
@@ -76,7 +76,8 @@ def test_the_orthogonal_rule_moves_matrices_to_their_owners_and_back_inside_the_
     for rank in ranks:
         s = rank["schemes"]
         # The default rule, and Muon's inner step between outer steps (every step, outer or not)
-        for scheme in ("demo", "full", "none", "demo_ortho", "full_ortho", "demo_ortho_adam", "sparseloco_ortho"):
+        ortho = ("demo", "full", "none", "demo_ortho", "full_ortho", "demo_ortho_adam", "sparseloco_ortho", "lowrank_1bit")
+        for scheme in ortho:
             assert [step["node_all_to_alls"] for step in s[scheme]["per_step"]] == [2] * 20, scheme
         for scheme in ("random", "striding", "diloco", "demo_adam"):
             assert all(step["node_all_to_alls"] == 0 for step in s[scheme]["per_step"]), scheme
@@ -130,7 +131,7 @@ def test_sharded_replicas_match_the_one_process_reference(ranks, config):
 @pytest.mark.parametrize(
     "scheme",
     ["demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_shared", "demo_adam", "demo_ortho"]
-    + ["demo_eliasfano", "demo_derived", "sparseloco_ortho"],
+    + ["demo_eliasfano", "demo_derived", "sparseloco_ortho", "lowrank"],
 )
 def test_checkpoint_restores_every_replicas_own_state(ranks, scheme):
     for rank in ranks:

@@ -754,6 +754,7 @@ REPLAYED = {
     "demo_shared": dict(scheme="demo", shared_indices=True),
     "demo_derived": dict(scheme="demo", derived_topk=64, topk=4, value_bits=1, pack_indices=True),
     "random": dict(scheme="random"),
+    "lowrank": dict(scheme="lowrank", factor_rank=2, value_bits=1),  # the shared basis follows the replayed payloads
     "demo_every_2": dict(scheme="demo", replicate_every=2),  # the peer's synchronize() exchanges: replayed too
 }
 """Schemes that replay (``full`` sends every entry: one of its steps is already a copy of the state)."""

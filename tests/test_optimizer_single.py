@@ -21,6 +21,7 @@ from hf_flexdemo.compression import (
 )
 from hf_flexdemo.optim.flexdemo_reference import FlexDeMoReference
 from hf_flexdemo.schemes import DeMoScheme, StepContext
+from hf_flexdemo.schemes.lowrank import matrix_shape, seeded_basis
 from hf_flexdemo.state_store import StateStore, StateView
 from hf_flexdemo.topology import ReplicaTopology
 
@@ -447,6 +448,67 @@ def test_derived_positions_send_values_without_indices_then_follow_the_decoded_u
     assert sum(t.numel() * t.element_size() for t in top4) == sum(
         t.numel() * t.element_size() for t in EliasFano(4, 4096).encode(torch.arange(4).repeat(2, 1))
     ) + 1 + 2 * 4  # four 1-bit codes per tile, packed (2 tiles: one byte), and a scale each
+
+
+def test_lowrank_sends_one_side_of_the_factors_and_alternates_from_the_average():
+    """One replica, by hand in float64: the payload is the momentum in the shared basis; what was sent leaves the
+    momentum; the update is the factors times the basis; the next basis spans the factors, on the other side."""
+    hp = dict(scheme="lowrank", factor_rank=2, lr=0.05, decay=0.9, update="sign", sign=False, weight_decay=0.0)
+    params = make_params()
+    opt = FlexDeMo(params, **hp)
+    shapes = [matrix_shape(p.shape) for p in params]
+    ranks = [min(2, *shape) for shape in shapes]
+    # The first basis: seeded by each parameter's place among the optimizer's parameters, 1 to 6.
+    bases = [seeded_basis(i, cols, r).double() for i, ((_, cols), r) in enumerate(zip(shapes, ranks), start=1)]
+    kept = [torch.zeros(shape, dtype=torch.float64) for shape in shapes]
+    for step in range(4):
+        side = step % 2  # the columns' basis first, then the rows'
+        grads = grads_for(step, params)
+        for p, g in zip(params, grads):
+            p.grad = g
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        for i, p in enumerate(params):
+            whole = kept[i] * 0.9 + grads[i].reshape(shapes[i]) * 0.05
+            factors = whole @ bases[i] if side == 0 else whole.mT @ bases[i]
+            update = factors @ bases[i].mT if side == 0 else bases[i] @ factors.mT
+            moved = (before[i] - p.detach()).reshape(shapes[i])
+            torch.testing.assert_close(moved, update * 0.05, rtol=0, atol=1e-12)  # sign=False: lr times the update
+            kept[i] = opt.state[p]["momentum"].reshape(shapes[i]).clone()
+            torch.testing.assert_close(kept[i], whole - update, rtol=0, atol=1e-12)  # error feedback
+            assert int(opt.state[p]["lowrank_side"]) == 1 - side
+            length = shapes[i][0] if side == 0 else shapes[i][1]
+            bases[i] = opt.state[p]["lowrank_basis"].reshape(-1)[: length * ranks[i]].view(length, ranks[i]).double()
+            eye = torch.eye(ranks[i], dtype=torch.float64)
+            torch.testing.assert_close(bases[i].mT @ bases[i], eye, rtol=0, atol=1e-6)
+            scale = max(1e-30, float(factors.abs().max()))
+            torch.testing.assert_close(bases[i] @ (bases[i].mT @ factors) / scale, factors / scale, atol=1e-6, rtol=0)
+
+
+def test_lowrank_payload_at_one_bit_is_a_sign_per_value_and_a_scale_per_factor_column():
+    p = torch.nn.Parameter(torch.randn(128, 64))
+    p.grad = torch.randn(128, 64)
+    opt = FlexDeMo([p], scheme="lowrank", factor_rank=4, value_bits=1)
+    bucket = one_bucket(p, opt)
+    opt.scheme.init_state(bucket)
+    codes, scale = opt.scheme.local_step(bucket, StepContext(step=1, replicate=True, replicas=1))
+    assert codes.numel() == 128 * 4 // 8 and codes.dtype == torch.uint8  # m @ B: 128 x 4 values, one bit each
+    assert scale.shape == (4,) and scale.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "kwargs,fix",
+    [
+        (dict(factor_rank=2), "scheme='lowrank'"),
+        (dict(factor_rank=0, scheme="lowrank"), ">= 1"),
+        (dict(scheme="lowrank", topk=8, wire="2bit"), "wire"),
+        (dict(scheme="lowrank", kernels="triton"), "kernels"),
+    ],
+)
+def test_lowrank_settings_are_refused_where_they_would_be_ignored(kwargs, fix):
+    with pytest.raises(ValueError) as err:
+        FlexDeMo([torch.nn.Parameter(torch.zeros(8, 8))], **kwargs)
+    assert fix in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,8 @@ def test_every_named_scheme_declares_its_own_traits():
         assert "traits" in vars(cls), f"{cls.__name__} inherits its traits"
         assert scheme_traits.traits_of(name) is cls.traits
     assert scheme_traits.schemes_where("outer_steps") == ("diloco", "sparseloco")
-    assert set(scheme_traits.schemes_where("per_step")) == {"demo", "random", "striding", "full"}
+    assert set(scheme_traits.schemes_where("per_step")) == {"demo", "random", "striding", "full", "lowrank"}
+    assert scheme_traits.schemes_where("low_rank") == ("lowrank",)
 
 
 @pytest.fixture

@@ -112,7 +112,17 @@ CONFIGS = {
     },
     # The control: nothing crosses nodes, each node trains alone with the default rule (what the wire is worth)
     "none_ortho_adam": ("flexdemo", "scheme=none,update=orthogonal,elementwise_update=adam"),
+    # Issue 45, direction 2: one side of rank-r factors a step, in a basis every replica shares (no indices);
+    # on OLMo2 (--wire_bytes) rank 1 at 1 bit is 4,678x fewer bytes than dense, rank 4 at 1 bit 1,273x
+    **{
+        f"lowrank_r{r}_{bits}bit_ortho_adam": (
+            "flexdemo",
+            f"scheme=lowrank,factor_rank={r},value_bits={bits},update=orthogonal,elementwise_update=adam",
+        )
+        for r, bits in ((1, 1), (4, 1), (2, 2), (8, 1), (16, 1))
+    },
 }
+LOWRANK = tuple(name for name in CONFIGS if name.startswith("lowrank_"))
 WIRE_PROBES = {
     "demo_top128": "topk=128",
     "demo_top512": "topk=512",
@@ -237,6 +247,7 @@ SWEEPS = {
         **dict.fromkeys(
             ("sparseloco_h3_2bit_ortho_adam", "sparseloco_h4_2bit_ortho_adam"), (4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)
         ),
+        **dict.fromkeys(LOWRANK, (4e-3, 8e-3, 1.6e-2)),  # from the default's rate up
     },
     "t5": {
         "adamw_hsdp": (1e-3, 2e-3, 4e-3, 8e-3),
@@ -249,6 +260,7 @@ SWEEPS = {
         "sparseloco": (2e-3, 4e-3),
         "sparseloco_h3_2bit": (4e-3, 8e-3, 1.6e-2),
         "sparseloco_h4_2bit_ortho_adam": (8e-3, 1.6e-2, 3.2e-2),  # from the default's T5 rate up
+        **dict.fromkeys(LOWRANK, (8e-3, 1.6e-2)),
     },
     # At scale: each side's small-scale best and the next rate in the direction larger models move (down), the
     # compressed presets from their small-scale best (twice the default's) down.

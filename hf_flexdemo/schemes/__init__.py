@@ -10,6 +10,7 @@ from .demo_derived import DerivedIndexDeMoScheme
 from .demo_shared import SharedIndexDeMoScheme
 from .dense import FullScheme, NoneScheme
 from .diloco import DiLoCoScheme
+from .lowrank import LowRankScheme
 from .sparseloco import SparseLoCoScheme
 from .subset import RandomScheme, StridingScheme
 
@@ -33,6 +34,7 @@ __all__ = [
     "Decoded",
     "DiLoCoScheme",
     "FullScheme",
+    "LowRankScheme",
     "NoneScheme",
     "ParamSlot",
     "RandomScheme",

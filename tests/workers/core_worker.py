@@ -51,6 +51,8 @@ VARIANTS = {  # wire formats of the top-k schemes, run like the schemes
     "demo_ortho_adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam"),
     # Muon's inner step between SparseLoCo's outer steps (issue 45, direction 3)
     "sparseloco_ortho": dict(scheme="sparseloco", update="orthogonal", value_bits=2, pack_indices=True),
+    # One side of rank-2 factors at 1 bit, with the default rule (issue 45, direction 2)
+    "lowrank_1bit": dict(scheme="lowrank", factor_rank=2, value_bits=1),
 }
 SMALL = dict(topk=4, chunk=8, rate=0.25, inner_steps=5)
 
@@ -204,9 +206,11 @@ def spatial_momentum(opt, p, hp) -> torch.Tensor:
 
 
 def shared_index_state(opt, p) -> torch.Tensor:
-    """What picks the next positions on every replica alike: the shared index set, or the derived set's score."""
+    """What picks the next positions on every replica alike: the shared index set, the derived set's score, or the
+    low-rank basis."""
     state = opt.state[p]
-    kept = state.get("shared_index_mask", state.get("derived_score", torch.zeros(0)))
+    kept = next((state[key] for key in ("shared_index_mask", "derived_score", "lowrank_basis") if key in state), None)
+    kept = torch.zeros(0) if kept is None else kept
     return local_tensor(kept).clone()
 
 
@@ -215,7 +219,7 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
     out = {}
     names = ("demo", "random", "diloco", "sparseloco", "sparseloco_ortho", "demo_overlap", "demo_shared", "demo_adam")
     names += ("demo_ortho",)
-    for name in (*names, "demo_eliasfano", "demo_derived"):
+    for name in (*names, "demo_eliasfano", "demo_derived", "lowrank"):
         scheme, _, variant = name.partition("_")
         hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4}
         hp.update(overlap=variant == "overlap", shared_indices=variant == "shared")
@@ -223,6 +227,8 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
             hp.update(value_bits=2, pack_indices=True, index_coding="elias_fano")
         if variant == "derived":  # values at the positions every replica derives, beside the top 4
             hp.update(derived_topk=8, value_bits=1, pack_indices=True, index_coding="elias_fano")
+        if scheme == "lowrank":  # one side of rank-2 factors at 1 bit, in a basis the replicas share
+            hp.update(factor_rank=2, value_bits=1)
         outer = scheme in ("diloco", "sparseloco")  # AdamW inside unless 'ortho' (an explicit 'sign' is refused)
         hp.update(update={"adam": "adam", "ortho": "orthogonal"}.get(variant, None if outer else "sign"))
         model = build(mesh)
@@ -233,7 +239,7 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
         dcp.save(
             {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt
         )
-        key = {"demo": "momentum_dct", "random": "momentum", "diloco": "exp_avg", "sparseloco": "outer_error"}[scheme]
+        key = {"demo": "momentum_dct", "diloco": "exp_avg", "sparseloco": "outer_error"}.get(scheme, "momentum")
         params = list(model.parameters())
         saved = [StateStore.local(opt.state[p][key], local_tensor(p)).clone() for p in params]
         saved_total = opt.total_stats.bytes_sent

@@ -29,6 +29,8 @@ CONFIGS = {
 codes its indices in Elias-Fano). The presets keep their own top-k on the default 64 x 64 tiles."""
 CONFIGS["default_derived"] = dict(SMALL, derived_topk=8, value_bits=1, pack_indices=True, index_coding="elias_fano")
 """The default rule with positions every replica derives (``derived_topk``) beside the top 4."""
+CONFIGS["default_lowrank"] = dict(scheme="lowrank", factor_rank=2, value_bits=1)
+"""The default rule on one side of rank-2 factors at 1 bit (``scheme='lowrank'``)."""
 
 
 def train(name: str, replicas: int, rank: int | None, mesh=None) -> dict:
