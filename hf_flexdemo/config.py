@@ -85,7 +85,7 @@ class RuleSettings:
         metadata={
             "help": "How the decoded update becomes a step: 'orthogonal' (Newton-Schulz per 2-D matrix, as Muon; "
             "other tensors take elementwise_update), 'adam' (divided by a running RMS of itself per entry, "
-            "beta2 = betas[1], eps) or 'sign' (DeMo). None: 'orthogonal' where it applies (demo, full, none), "
+            "beta2 = betas[1], eps) or 'sign' (DeMo). None: 'orthogonal' where it applies (demo, lowrank, full, none), "
             "'sign' on random and striding and with sign=False. diloco and sparseloco: the inner step, AdamW when "
             "unset, or 'orthogonal' for Muon's on the matrices (the replica's own momentum, orthogonalized)."
         },
@@ -150,8 +150,8 @@ class ReplicationSettings:
     scheme: str = field(
         default="demo",
         metadata={
-            "help": "Replication scheme: 'demo' (the default), 'random', 'striding', 'diloco', 'sparseloco', 'full' "
-            "or 'none'."
+            "help": "Replication scheme: 'demo' (the default), 'lowrank', 'random', 'striding', 'diloco', "
+            "'sparseloco', 'full' or 'none'."
         },
     )
     topk: int = field(default=32, metadata={"help": "DCT coefficients sent per tile (demo)."})
@@ -317,7 +317,7 @@ class ExecutionSettings:
             "takes gradient_accumulation_steps (a multiple of R) micro-batches per step; plain PyTorch calls "
             "optimizer.next_replica() after each replica's backward. For trying a configuration on one GPU before "
             "renting nodes, and for loss studies. Per-step schemes only (replicas keep one model): "
-            "demo, random, striding, full; no torchft, one process (no FSDP shards or replicate group)."
+            "demo, lowrank, random, striding, full; no torchft, one process (no FSDP shards or replicate group)."
         },
     )
 
@@ -476,6 +476,11 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
                 f"scheme={self.scheme!r}; leave it at 0 (for fewer bytes there, use value_dtype='bf16'), or for "
                 "low-bit outer steps use scheme='sparseloco'."
             )
+        if self.pack_indices and not self.traits.top_k:
+            raise ValueError(
+                f"FlexDeMo: pack_indices=True applies to the top-k schemes {schemes_where('top_k')}, which send "
+                f"indices; scheme={self.scheme!r} sends none, so it would be ignored; drop pack_indices."
+            )
         if self.overlap and not self.traits.per_step:
             raise ValueError(
                 f"FlexDeMo: overlap=True applies to the per-step schemes {schemes_where('per_step')}, not to "
@@ -559,7 +564,10 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
             why = f" (the default on scheme={self.scheme!r}{with_sign})" if unset else ""
             fix = "drop elementwise_update, or set update='orthogonal'."
             if default_update(self.scheme, self.sign) != "orthogonal" and not self.traits.outer_steps:
-                fix = "drop elementwise_update (update='orthogonal' applies to 'demo', 'full', 'none' with sign=True)."
+                fix = (
+                    "drop elementwise_update (update='orthogonal' applies to 'demo', 'lowrank', 'full', 'none' with "
+                    "sign=True)."
+                )
             raise ValueError(
                 f"FlexDeMo: elementwise_update={self.elementwise_update!r} applies to update='orthogonal' (the rule "
                 f"of the tensors it does not orthogonalize), but update is {self.update!r}{why}; {fix}"

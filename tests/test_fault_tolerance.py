@@ -814,6 +814,40 @@ ENCODES_FIRST = dict(scheme="demo", value_bits=2)
 (stochastic rounding draws by the quorum's step and rank, so it encodes after joining)."""
 
 
+ENCODES_FROM_SHARED = ("demo_shared", "demo_derived", "lowrank")
+"""Replayed schemes whose payload reads state every replica holds alike, which the missed steps change."""
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("join_quorum", ["before_forward", "when_ready"])
+@pytest.mark.parametrize("name", ENCODES_FROM_SHARED)
+def test_a_node_with_steps_to_replay_encodes_its_next_payload_from_the_peers_shared_state(name, join_quorum):
+    """A training step right after a heal: the missed steps are replayed before the payload is made, or the node
+    would send at the wrong index set or in the wrong basis (of another size: the exchange would hang)."""
+    peer, node, peer_params, mine = lagging_pair(REPLAYED[name] | {"join_quorum": join_quorum})
+    assert node.scheme.encodes_from_shared_state
+    node.load_replica_state(peer.replica_state())
+    node.managed.step = peer.managed.step
+    keys = node.scheme.shared_keys
+    read = {}
+    encode = node.scheme.local_step
+
+    def spy(bucket, ctx):  # the shared state as the last encoding of each bucket read it
+        read[id(bucket.slots)] = [[slot.state.raw[key].clone() for key in keys] for slot in bucket.slots]
+        return encode(bucket, ctx)
+
+    node.scheme.local_step = spy
+    for p, g in zip(mine, _grads(9, mine)):
+        p.grad = g
+    node.step()
+    assert read
+    peer_state = {id(p): [peer.state[q][key] for key in keys] for p, q in zip(mine, peer_params)}
+    for bucket in node.buckets():
+        for slot, entries in zip(bucket.slots, read[id(bucket.slots)]):
+            theirs = peer_state[id(slot.state.param)]
+            assert all(torch.equal(a, b) for a, b in zip(entries, theirs)), f"{name}: {keys} differ from the peer's"
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("settings", [REPLAYED["demo"], ENCODES_FIRST], ids=["joins_first", "encodes_first"])
 def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_past_the_end(settings):

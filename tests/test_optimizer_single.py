@@ -496,6 +496,20 @@ def test_lowrank_payload_at_one_bit_is_a_sign_per_value_and_a_scale_per_factor_c
     assert scale.shape == (4,) and scale.dtype == torch.float32
 
 
+def test_lowrank_state_resumes_only_with_the_rank_it_was_saved_with():
+    p = torch.nn.Parameter(torch.randn(16, 12))
+    saved = FlexDeMo([p], scheme="lowrank", factor_rank=2)
+    p.grad = torch.randn(16, 12)
+    saved.step()
+    resumed = FlexDeMo([p], scheme="lowrank", factor_rank=4)
+    resumed.load_state_dict(copy.deepcopy(saved.state_dict()))
+    with pytest.raises(RuntimeError, match=r"saved for rank 2 of a 16 x 12 shard.*factor_rank=2"):
+        resumed.step()
+    same = FlexDeMo([p], scheme="lowrank", factor_rank=2)
+    same.load_state_dict(copy.deepcopy(saved.state_dict()))
+    same.step()
+
+
 @pytest.mark.parametrize(
     "kwargs,fix",
     [
@@ -503,6 +517,7 @@ def test_lowrank_payload_at_one_bit_is_a_sign_per_value_and_a_scale_per_factor_c
         (dict(factor_rank=0, scheme="lowrank"), ">= 1"),
         (dict(scheme="lowrank", topk=8, wire="2bit"), "wire"),
         (dict(scheme="lowrank", kernels="triton"), "kernels"),
+        (dict(scheme="lowrank", value_bits=1, pack_indices=True), "pack_indices"),
     ],
 )
 def test_lowrank_settings_are_refused_where_they_would_be_ignored(kwargs, fix):

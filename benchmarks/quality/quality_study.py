@@ -115,11 +115,11 @@ CONFIGS = {
     # Issue 45, direction 2: one side of rank-r factors a step, in a basis every replica shares (no indices);
     # on OLMo2 (--wire_bytes) rank 1 at 1 bit is 4,678x fewer bytes than dense, rank 4 at 1 bit 1,273x
     **{
-        f"lowrank_r{r}_{bits}bit_ortho_adam": (
+        f"lowrank_r{r}{f'_{bits}bit' if bits else ''}_ortho_adam": (
             "flexdemo",
             f"scheme=lowrank,factor_rank={r},value_bits={bits},update=orthogonal,elementwise_update=adam",
         )
-        for r, bits in ((1, 1), (4, 1), (2, 2), (8, 1), (16, 1))
+        for r, bits in ((1, 1), (4, 1), (2, 2), (8, 1), (16, 1), (4, 0), (16, 0))  # 0: float32 values
     },
 }
 LOWRANK = tuple(name for name in CONFIGS if name.startswith("lowrank_"))

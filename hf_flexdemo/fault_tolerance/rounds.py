@@ -58,6 +58,14 @@ class QuorumRounds:
         """Training steps this node missed and has not replayed yet."""
         return self.replica.steps_to_replay()
 
+    def catch_up_before_encoding(self) -> None:
+        """Replay the missed steps now, before this step's payload is made from state they change (a scheme whose
+        payload reads its shared state: ``ReplicationScheme.encodes_from_shared_state``). They were committed by
+        the peers, so a vote that fails later undoes this step only, as on every other node."""
+        if self.steps_missed():
+            with self.managed.clock.timing("catch_up"):
+                self.replica.catch_up()
+
     def steps_missed(self) -> int:
         """Rounds this node missed and has not replayed yet (training steps or not)."""
         return len(self.replica.missed or ())

@@ -121,6 +121,12 @@ class ReplicationScheme(ABC):
     def __init__(self, config: FlexDeMoConfig):
         self.config = config
 
+    @property
+    def encodes_from_shared_state(self) -> bool:
+        """Whether ``local_step`` reads state every replica holds alike (the shared index set, the derived set's
+        score, the low-rank basis): a node with missed steps to replay replays them before it encodes."""
+        return bool(self.shared_keys) and self.traits.replayable
+
     def is_replication_step(self, step: int, forced: bool = False) -> bool:
         """Whether step ``step`` (1-based) exchanges data; ``forced`` asks for a sync now."""
         return forced or step % self.config.replicate_every == 0

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from ..buckets import Bucket
+from ..buckets import Bucket, ParamSlot
 from ..compression import dequantize_codes, dequantize_tiles, pack_bits, quantize_codes
 from ..scheme_traits import SchemeTraits
 from .base import Collective, Decoded, StepContext
@@ -34,6 +34,9 @@ from .momentum import MomentumScheme
 
 BASIS = "lowrank_basis"
 """Laid out like the parameter; the first ``side_length * r`` entries hold the basis, ``(side_length, r)``."""
+
+LAYOUT = "lowrank_layout"
+"""Per process: ``(r, rows, cols)`` the basis was made for (a resume with another rank or shard is refused)."""
 
 SIDE = "lowrank_side"
 """Which side the basis spans: 0 the columns (``m @ B`` travels), 1 the rows (``m^T @ B`` travels)."""
@@ -74,6 +77,23 @@ class LowRankScheme(MomentumScheme):
         super().init_state(bucket)
         self.side(bucket)
         self.basis_storage(bucket)
+        for slot in bucket.slots:
+            if LAYOUT not in slot.state.raw:
+                slot.state.counters(LAYOUT, 3).copy_(torch.tensor(self.layout(slot.param.shape)))
+
+    def layout(self, shape: torch.Size) -> list[int]:
+        rows, cols = matrix_shape(shape)
+        return [min(self.config.factor_rank, rows, cols), rows, cols]
+
+    def check_state(self, slot: ParamSlot) -> None:
+        saved = slot.state.counters(LAYOUT, 3).tolist()
+        if saved != self.layout(slot.param.shape):
+            raise RuntimeError(
+                f"FlexDeMo: the low-rank basis of a parameter of local shape {tuple(slot.param.shape)} was saved for "
+                f"rank {saved[0]} of a {saved[1]} x {saved[2]} shard, but this run gives "
+                f"{tuple(self.layout(slot.param.shape))}. Resume with the checkpoint's factor_rank={saved[0]} and "
+                "the same number of processes per node (the same FSDP shards)."
+            )
 
     def side(self, bucket: Bucket) -> torch.Tensor:
         """``(count,)`` int64, equal across the bucket (its parameters always step together)."""
@@ -106,7 +126,7 @@ class LowRankScheme(MomentumScheme):
         basis = self.basis(bucket, side).to(m.dtype, copy=True)  # overlap: apply must decode with this one
         matrices = m.view(bucket.count, *matrix_shape(bucket.shape))
         factors = (matrices if side == 0 else matrices.mT) @ basis
-        sent, read = self.encode(factors, ctx)
+        sent, read = self.encode(bucket, factors, ctx)
         if side == 0:
             matrices.sub_(read.to(m.dtype) @ basis.mT)
         else:
@@ -114,13 +134,15 @@ class LowRankScheme(MomentumScheme):
         bucket.carried = (side, basis, factors.shape)
         return sent
 
-    def encode(self, factors: torch.Tensor, ctx: StepContext) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def encode(
+        self, bucket: Bucket, factors: torch.Tensor, ctx: StepContext
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """What travels for ``(count, n, r)`` factors, and the factors every receiver reads back.
 
         ``value_bits``: each factor column coded with its own scale (:func:`~..compression.quantize_codes`)."""
         bits = self.config.value_bits
         if not bits:
-            sent = factors.to(self.config.wire_dtype or factors.dtype)
+            sent = factors.to(self.wire_dtype(bucket))
             return [sent], sent
         columns = factors.mT.reshape(-1, factors.shape[1])
         noise = None
