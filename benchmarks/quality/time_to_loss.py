@@ -142,6 +142,7 @@ def frontier_plot(study: Path, out: Path, min_seeds: int = 3, also: list[Path] =
             "^",
         ),
         ("SparseLoCo, the default rule's step inside", lambda n: n.startswith("sparseloco") and "_ortho" in n, "v"),
+        ("low-rank factors (scheme=lowrank), the default rule", lambda n: n.startswith("lowrank"), "P"),
     ]:
         points = [
             (row["ratio_to_dense"], 100 * row["vs_adamw"], name.removesuffix("_ortho_adam"))
