@@ -645,7 +645,7 @@ def _grads(step: int, params):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("scheme", [*ALL_SCHEMES, "none", *UPDATE_RULES])
+@pytest.mark.parametrize("scheme", [*ALL_SCHEMES, "none", "lowrank", *UPDATE_RULES])
 def test_a_step_the_node_does_not_commit_leaves_no_trace(scheme):
     """Steps 1, 2 commit, step 3 does not, step 4 does: the same as a twin that never saw step 3."""
     hp = dict(scheme=scheme, lr=0.05, weight_decay=0.1, topk=3, chunk=4, rate=0.25, inner_steps=2, value_bits=0)
@@ -655,6 +655,8 @@ def test_a_step_the_node_does_not_commit_leaves_no_trace(scheme):
         hp.update(value_bits=2, rounding="stochastic")
     if scheme == "demo_shared":
         hp.update(scheme="demo", shared_indices=True)
+    if scheme == "lowrank":  # its basis and side move only with a committed step
+        hp.update(factor_rank=2, value_bits=2, rounding="stochastic")
     params, twins = _tiny_params(), _tiny_params()
     opt, twin = FlexDeMo(params, **hp), FlexDeMo(twins, **hp)
     opt.attach_managed(OneReplicaQuorum([True, True, False, True]))
@@ -846,6 +848,22 @@ def test_a_node_with_steps_to_replay_encodes_its_next_payload_from_the_peers_sha
         for slot, entries in zip(bucket.slots, read[id(bucket.slots)]):
             theirs = peer_state[id(slot.state.param)]
             assert all(torch.equal(a, b) for a, b in zip(entries, theirs)), f"{name}: {keys} differ from the peer's"
+
+
+@pytest.mark.unit
+def test_a_node_replays_before_encoding_only_when_all_its_processes_hold_the_same_missed_steps(monkeypatch):
+    """One process whose recovery failed holds no missed steps: the node replays at the commit, as otherwise (that
+    commit fails), not half of it before encoding."""
+    peer, node, _, _ = lagging_pair(REPLAYED["lowrank"])
+    node.load_replica_state(peer.replica_state())
+    replayed = []
+    monkeypatch.setattr(node.quorum.replica, "catch_up", lambda: replayed.append(True))
+    monkeypatch.setattr(node.quorum, "_node_missed_steps", lambda: (0, 3))  # (fewest, most) over the processes
+    node.quorum.catch_up_before_encoding()
+    assert not replayed and node.quorum.node_missed_steps() == 3
+    monkeypatch.setattr(node.quorum, "_node_missed_steps", lambda: (3, 3))
+    node.quorum.catch_up_before_encoding()
+    assert replayed
 
 
 @pytest.mark.unit

@@ -327,7 +327,8 @@ class FlexDeMo(torch.optim.Optimizer):
             self.forget_step_count()
             return False
         ctx = self._context(self._this_step(), sync_only=False, topology=self.topology)
-        stale = self.scheme.encodes_from_shared_state and self.quorum.steps_missed()  # encoded before the replay
+        # Encoded before a replay that changes what it read (decided node-wide: its processes run the same path).
+        stale = self.scheme.encodes_from_shared_state and self.quorum.node_missed_steps()
         if joined.drop_gradient or ctx.replicate != encoded.ctx.replicate or stale:
             if not joined.drop_gradient:  # (a heal that copied a peer's state replaced the encoding with the rest)
                 undo_local_step(encoded.undo)
