@@ -207,7 +207,7 @@ REFUSED = [
     (dict(update="adam", sign=False), "sign=False", "drop sign=False"),
     (dict(update="sign", elementwise_update="adam"), "but update is 'sign';", "or set update='orthogonal'"),
     (dict(update="adam", elementwise_update="sign"), "but update is 'adam';", "or set update='orthogonal'"),
-    (dict(scheme="random", elementwise_update="adam"), "(the default on scheme='random')", "applies to 'demo', 'full'"),
+    (dict(scheme="random", elementwise_update="adam"), "(the default on scheme='random')", "applies to 'demo', 'lowrank', 'full'"),
     (dict(sign=False, elementwise_update="sign"), "(the default on scheme='demo' with sign=False)", "with sign=True"),
     (dict(update="lion", elementwise_update="adam"), "update='lion' is invalid", "'sign', 'adam', 'orthogonal'"),
     (dict(update="orthogonal", elementwise_update="lion"), "elementwise_update='lion'", "'sign', 'adam'"),
