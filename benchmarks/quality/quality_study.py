@@ -284,10 +284,19 @@ SWEEPS = {
     "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2) for name in CONFIGS}
     | {"demo_adam": (2e-3, 4e-3, 8e-3, 1.6e-2), "demo_ortho": (4e-3, 8e-3, 1.6e-2)}  # about the others' best (8e-3)
     | {"sparseloco_h4_2bit_ortho_adam": (4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)},  # as on pretraining: the best at the top
-}
 
+    # The 10x model on real nodes, for what one process cannot simulate (replicas that drift apart): each side at the
+    # default's 10x rate, the outer steps from twice it up (at 1.6M their best was 2x-4x the default's)
+    "olmo2_10x_nodes": {
+        "none_ortho_adam": (1e-3, 2e-3, 4e-3),
+        "sparseloco_h4_2bit_ortho_adam": (4e-3, 8e-3),
+        "adamw_hsdp": (2e-3,),
+        "demo_ortho_adam": (2e-3,),
+    },
+}
 for _model in ("olmo2_10x", "olmo2_125m"):
     SWEEPS[_model] = SWEEPS["olmo2"] | SWEEPS[_model]
+SWEEPS["olmo2_10x_nodes"] = SWEEPS["olmo2_10x"] | SWEEPS["olmo2_10x_nodes"]
 
 
 # model: (script, its flags); "{base}" is the study's pretrained base model (olmo2_ft).
@@ -327,6 +336,11 @@ PRESETS |= {
         ],
     ),  # fmt: skip
 }
+PRESETS["olmo2_10x_nodes"] = ("train_olmo2.py", [*PRESETS["olmo2_10x"][1], "--per_device_train_batch_size", "4"])
+"""The 10x model on 2 nodes x 2 processes, 4 blocks a process: 8 a node a step, as each simulated replica takes.
+For ``scheme=none`` and the outer-step schemes, whose replicas ``simulate_replicas`` cannot hold apart."""
+AT_SCALE = (*SIMULATED, "olmo2_10x_nodes")
+"""The presets whose tokenized text is cached in ``DATA_CACHE``."""
 SCALE_CONFIGS = ("adamw_hsdp", "demo_ortho_adam", "wire_2bit_ortho_adam", "wire_top128_4bit_ortho_adam")
 """AdamW-HSDP, the default (DeMo's wire and the default rule), and the two compressed presets the README leads with."""
 DATA_CACHE = ROOT / "benchmarks" / "results" / "quality" / "data_cache"
@@ -399,8 +413,10 @@ def run(
     args += [flag.format(base=base) for flag in flags]
     if batch:
         args += ["--per_device_train_batch_size", str(batch)]
-    if replicas:  # one micro-batch per simulated replica; the text tokenized once for every run
-        args += ["--gradient_accumulation_steps", str(replicas), "--data_cache", str(DATA_CACHE)]
+    if model in AT_SCALE:  # the text tokenized once for every run
+        args += ["--data_cache", str(DATA_CACHE)]
+    if replicas:  # one micro-batch per simulated replica
+        args += ["--gradient_accumulation_steps", str(replicas)]
         if optim == "flexdemo":
             optim_args = ",".join(filter(None, (optim_args, f"simulate_replicas={replicas}")))
     if dry_run:
