@@ -131,6 +131,16 @@ def quantize_tiles(
     return pack_bits(codes, bits), scale
 
 
+def rounding_noise(
+    value_bits: int, rounding: str, shape: tuple[int, ...], device: torch.device, generator=None
+) -> torch.Tensor | None:
+    """Stochastic rounding's draws for values of ``shape``, uniform in [0, 1) (drawn on the CPU generator, so every
+    device draws the same); None when nothing is rounded stochastically."""
+    if value_bits and rounding == "stochastic":
+        return torch.rand(shape, generator=generator, dtype=torch.float32).to(device)
+    return None
+
+
 def quantize_codes(
     values: torch.Tensor, bits: int, noise: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

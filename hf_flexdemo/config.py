@@ -72,13 +72,23 @@ SHARED_KEYS = ("lr", "weight_decay", "betas", "eps")
 """Hyperparameters other optimizers take as well (from ``TrainingArguments``)."""
 
 
+DEFAULT_DECAY = 0.999
+"""``decay`` when it is not given (DeMo's)."""
+
+
 @dataclass(kw_only=True)
 class RuleSettings:
     """The step: the momentum, and how the decoded update becomes a parameter step."""
 
     lr: float = field(default=1e-3, metadata={"help": "Step size (update='sign': each entry moves by lr)."})
     weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay: p *= 1 - lr * wd."})
-    decay: float = field(default=0.999, metadata={"help": "Momentum decay beta: m = beta * m + lr * grad."})
+    decay: float | None = field(
+        default=None,
+        metadata={
+            "help": f"Momentum decay beta: m = beta * m + lr * grad. None: {DEFAULT_DECAY}. diloco and sparseloco "
+            "refuse it: their inner momentum is betas[0], their outer one outer_momentum."
+        },
+    )
     sign: bool = field(default=True, metadata={"help": "update='sign': apply the sign of the decoded update."})
     update: str | None = field(
         default=None,
@@ -283,6 +293,12 @@ class WireSettings:
             )
         _check_bool("pack_indices", self.pack_indices)
         _check_choice("index_coding", self.index_coding, INDEX_CODINGS)
+        if self.value_bits and self.value_dtype != "param":
+            raise ValueError(
+                f"FlexDeMo: value_dtype={self.value_dtype!r} cannot act with value_bits={self.value_bits}: the values "
+                "travel as integer codes with float32 scales, so value_dtype would be ignored. Drop value_dtype, or "
+                "set value_bits=0 to send values in that dtype."
+            )
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -443,6 +459,7 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
         self._check_replication()  # first: the other checks ask the scheme's traits
+        self._resolve_decay()
         self._apply_wire_preset()
         self._check_wire()
         self._resolve_rules()
@@ -453,6 +470,13 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
         self._check_what_the_scheme_takes()
         self._check_execution_against_the_rest()
         self._resolve_fault_tolerance()
+
+    def _resolve_decay(self) -> None:
+        """``decay`` given to a scheme whose momentum is another setting's is refused; unset, it is DeMo's."""
+        if self.decay is not None and self.traits.outer_steps:
+            raise ValueError(decay_ignored(self.decay, self.scheme))
+        if self.decay is None:
+            self.decay = DEFAULT_DECAY
 
     def _check_what_the_scheme_takes(self) -> None:
         """Settings of the rule, the wire and fault tolerance that the scheme would ignore."""
@@ -636,7 +660,8 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
         traits = self.traits
         if traits.outer_steps:
             tiles = ("topk", "chunk") if traits.top_k else ()
-            keys = ["scheme", "inner_steps", *tiles, "outer_lr", "outer_momentum", "betas", "value_dtype"]
+            keys = ["scheme", "inner_steps", *tiles, "outer_lr", "outer_momentum", "betas"]
+            keys += ["value_dtype"] if not self.value_bits else []
             keys += ["update"] if self.update == "orthogonal" else []
             keys += ["ns_dtype"] if self.update == "orthogonal" and self.ns_dtype != "auto" else []
             keys += ["ns_steps"] if self.update == "orthogonal" and self.ns_steps is not None else []
@@ -649,7 +674,8 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
             keys += ["decode"] if traits.dct and not self.shared_indices else []  # shared: a sum
             keys += ["rate"] if traits.subset else []
             keys += ["factor_rank"] if traits.low_rank else []
-            keys += ["value_dtype", "replicate_every"] if traits.sends else []
+            keys += ["value_dtype"] if traits.sends and not self.value_bits else []
+            keys += ["replicate_every"] if traits.sends else []
         keys += [key for key in ("overlap", "value_bits", "pack_indices", "shared_indices") if getattr(self, key)]
         keys += ["index_coding"] if self.index_coding != "fixed" else []
         keys += ["derived_topk"] if self.derived_topk is not None else []
@@ -796,6 +822,15 @@ def default_update(scheme: str, sign: bool = True) -> str:
     if traits.subset or traits.outer_steps or not sign:
         return "sign"
     return DEFAULT_UPDATE
+
+
+def decay_ignored(decay: Any, scheme: str) -> str:
+    """The refusal of ``decay`` on a scheme that would ignore it (diloco, sparseloco)."""
+    return (
+        f"FlexDeMo: decay={decay!r} is the per-step schemes' momentum decay; scheme={scheme!r} would ignore it: "
+        "its inner step's momentum is betas[0] (--adam_beta1), and outer_momentum is its outer step's momentum "
+        "(diloco) or its error feedback's decay (sparseloco). Drop decay, and set those instead."
+    )
 
 
 def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str = "sign") -> None:

@@ -71,6 +71,13 @@ BAD = [
     (dict(join_quorum="before_forward"), "join_quorum='before_forward'", "fault_tolerance=torchft"),
     (dict(stall_wait=5.0), "stall_wait=5", "fault_tolerance=torchft"),
     (dict(scheme="diloco", fault_tolerance="torchft", replay_steps=32), "replay_steps=32", "Drop replay_steps"),
+    # the outer-step schemes' momenta are betas[0] and outer_momentum: decay would be ignored, even at DeMo's value
+    (dict(scheme="diloco", decay=0.9), "decay=0.9", "betas[0] (--adam_beta1)"),
+    (dict(scheme="sparseloco", decay=0.999), "decay=0.999", "Drop decay"),
+    # codes and float32 scales travel: the dtype of plain values would be ignored
+    (dict(value_bits=2, value_dtype="bf16"), "value_dtype='bf16'", "value_bits=0"),
+    (dict(scheme="sparseloco", value_bits=1, value_dtype="fp32"), "value_dtype='fp32'", "Drop value_dtype"),
+    (dict(scheme="lowrank", value_bits=4, value_dtype="fp16"), "value_dtype='fp16'", "Drop value_dtype"),
 ]
 
 
@@ -89,6 +96,22 @@ def test_bad_hyperparameter_in_a_param_group_is_refused(kwargs, value, allowed):
     with pytest.raises(ValueError) as err:
         FlexDeMo(groups)
     assert value in str(err.value)
+
+
+@pytest.mark.parametrize("scheme", ["diloco", "sparseloco"])
+def test_a_momentum_decay_in_a_parameter_group_of_an_outer_step_scheme_is_refused(scheme):
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(4))], "decay": 0.95}]
+    with pytest.raises(ValueError, match=r"decay=0.95 .* ignore it.*\(in a parameter group\)"):
+        FlexDeMo(groups, scheme=scheme)
+    assert FlexDeMo(groups, scheme="demo").param_groups[0]["decay"] == 0.95
+
+
+def test_an_unset_momentum_decay_is_demos_and_an_outer_step_scheme_runs_without_one():
+    assert FlexDeMoConfig().decay == FlexDeMoConfig(scheme="diloco").decay == 0.999
+    assert FlexDeMoConfig.from_optim_args("scheme=sparseloco,outer_momentum=0.9").outer_momentum == 0.9
+    with pytest.raises(ValueError, match="decay=0.99 "):
+        FlexDeMoConfig.from_optim_args("scheme=sparseloco,decay=0.99")
+    assert FlexDeMoConfig.from_optim_args("decay=0.99").decay == 0.99
 
 
 def test_optim_args_are_parsed_with_types():
@@ -193,6 +216,9 @@ def test_a_fraction_with_a_zero_denominator_is_refused_clearly():
         (dict(ns_dtype="float32"), ["update", "ns_dtype"], ["sign"]),
         (dict(ns_dtype="bf16"), ["update", "ns_dtype"], ["sign"]),
         (dict(ns_dtype="auto"), ["update"], ["ns_dtype"]),  # the default, by device, goes unsaid
+        (dict(value_bits=2), ["value_bits", "replicate_every"], ["value_dtype"]),  # codes: no value dtype
+        (dict(scheme="sparseloco", value_bits=2), ["value_bits", "outer_momentum"], ["value_dtype", "decay"]),
+        (dict(value_dtype="bf16"), ["value_dtype"], ["value_bits"]),
     ],
 )
 def test_a_summary_lists_the_settings_that_act(kwargs, acting, ignored):

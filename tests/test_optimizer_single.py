@@ -20,6 +20,7 @@ from hf_flexdemo.compression import (
     to_coefficients,
 )
 from hf_flexdemo.optim.flexdemo_reference import FlexDeMoReference
+from hf_flexdemo.scheme_traits import traits_of
 from hf_flexdemo.schemes import DeMoScheme, StepContext
 from hf_flexdemo.schemes.lowrank import matrix_shape, seeded_basis
 from hf_flexdemo.state_store import StateStore, StateView
@@ -29,6 +30,15 @@ pytestmark = pytest.mark.unit
 
 SHAPES = [(), (1,), (7,), (20, 12), (5, 3, 3), (6, 1, 2, 2)]
 SMALL = dict(topk=3, chunk=4, rate=0.25, inner_steps=3, lr=0.05, weight_decay=0.1, decay=0.9)
+
+
+def small(**hp) -> dict:
+    """SMALL with ``hp`` on top; without ``decay`` on diloco and sparseloco, which refuse it (their momentum is
+    ``betas[0]``)."""
+    merged = {**SMALL, **hp}
+    if "decay" not in hp and traits_of(merged.get("scheme", "demo")).outer_steps:
+        del merged["decay"]
+    return merged
 
 
 def make_params(dtype=torch.float64, seed=0):
@@ -68,7 +78,7 @@ def test_fewer_newton_schulz_steps_match_the_reference(ns_steps):
 def run_with_reference(steps: int = 12, **hp):
     """One replica of FlexDeMo and of the reference, stepped on the same gradients: (params, opt, ref)."""
     params = make_params()
-    hp = {**SMALL, **hp}
+    hp = small(**hp)
     if FlexDeMoConfig(**hp).update == "orthogonal":  # in float32 (the default, bf16, is checked in test_update_rules)
         hp.setdefault("ns_dtype", "float32")
     ref = FlexDeMoReference([p.detach() for p in params], replicas=1, **hp)
@@ -92,14 +102,14 @@ def train(opt, params, steps, first=0):
 @pytest.mark.parametrize("scheme", ["demo", "random", "diloco"])
 def test_state_dict_round_trip_continues_the_same_run(scheme):
     params = make_params()
-    opt = FlexDeMo(params, **{**SMALL, "scheme": scheme})
+    opt = FlexDeMo(params, **small(scheme=scheme))
     train(opt, params, 5)
     saved_params = copy.deepcopy([p.detach() for p in params])
     saved_state = copy.deepcopy(opt.state_dict())
     train(opt, params, 5, first=5)
 
     params2 = [torch.nn.Parameter(p.clone()) for p in saved_params]
-    opt2 = FlexDeMo(params2, **{**SMALL, "scheme": scheme})
+    opt2 = FlexDeMo(params2, **small(scheme=scheme))
     opt2.load_state_dict(saved_state)
     assert set(opt2.state_dict()) == {"state", "param_groups"}
     train(opt2, params2, 5, first=5)
@@ -123,7 +133,7 @@ def test_zero_gradient_step_with_zero_lr_changes_nothing():
     for scheme in ("demo", "random", "diloco", "full"):
         params = make_params(seed=3)
         before = [p.detach().clone() for p in params]
-        opt = FlexDeMo(params, **{**SMALL, "scheme": scheme, "lr": 0.0, "inner_steps": 1})
+        opt = FlexDeMo(params, **small(scheme=scheme, lr=0.0, inner_steps=1))
         for p in params:
             p.grad = torch.zeros_like(p)
         opt.step()
@@ -137,7 +147,7 @@ def test_parameter_without_gradient_counts_as_zero_gradient(scheme):
     runs = []
     for explicit_zeros in (False, True):
         params = make_params()
-        opt = FlexDeMo(params, **{**SMALL, "scheme": scheme})
+        opt = FlexDeMo(params, **small(scheme=scheme))
         for step in range(3):
             for i, (p, g) in enumerate(zip(params, grads_for(step, params))):
                 # Parameter 1 never gets a gradient; parameter 0 only on even steps.
@@ -206,7 +216,7 @@ def test_elias_fano_indices_take_9_bits_each_for_top_32_of_64x64_tiles_and_chang
 
 def test_replicate_every_accumulates_without_moving_parameters():
     params = make_params()
-    opt = FlexDeMo(params, **{**SMALL, "replicate_every": 3, "weight_decay": 0.0})
+    opt = FlexDeMo(params, **small(replicate_every=3, weight_decay=0.0))
     before = [p.detach().clone() for p in params]
     train(opt, params, 2)
     assert all(torch.equal(p.detach(), q) for p, q in zip(params, before))
@@ -244,7 +254,7 @@ def test_update_orthogonal_makes_the_inner_step_muons_on_matrices_and_leaves_the
 
 def test_diloco_synchronize_runs_one_outer_step_once():
     params = make_params()
-    opt = FlexDeMo(params, **{**SMALL, "scheme": "diloco", "inner_steps": 10})
+    opt = FlexDeMo(params, **small(scheme="diloco", inner_steps=10))
     train(opt, params, 4)
     assert not opt.replicas_should_match
     assert opt.synchronize() is True
@@ -255,7 +265,7 @@ def test_diloco_synchronize_runs_one_outer_step_once():
 @pytest.mark.parametrize("scheme", ["demo", "random", "full"])
 def test_overlap_applies_the_same_updates_one_step_late(scheme):
     """With gradients that do not depend on the parameters, overlap + flush ends where the plain run does."""
-    hp = {**SMALL, "scheme": scheme, "weight_decay": 0.0}
+    hp = small(scheme=scheme, weight_decay=0.0)
     plain, late = make_params(), make_params()
     opt_plain, opt_late = FlexDeMo(plain, **hp), FlexDeMo(late, **hp, overlap=True)
     train(opt_plain, plain, 6)
@@ -268,7 +278,7 @@ def test_overlap_applies_the_same_updates_one_step_late(scheme):
 
 def test_overlap_moves_by_the_lr_of_the_step_that_computed_the_update():
     """A scheduler changes the lr between a step and its late update; the update keeps its own lr."""
-    hp = {**SMALL, "weight_decay": 0.0}
+    hp = small(weight_decay=0.0)
     plain, late = make_params(), make_params()
     opt_plain, opt_late = FlexDeMo(plain, **hp), FlexDeMo(late, **hp, overlap=True)
     for opt, params in ((opt_plain, plain), (opt_late, late)):
@@ -288,7 +298,7 @@ def test_overlap_is_refused_where_it_has_no_meaning():
 
 def test_attach_after_the_first_step_is_refused():
     params = make_params()
-    opt = FlexDeMo(params, **SMALL)
+    opt = FlexDeMo(params, **small())
     train(opt, params, 1)
     with pytest.raises(RuntimeError, match="before the first step"):
         opt.attach(None)
@@ -321,7 +331,7 @@ def assert_host_syncs_bounded(**hp) -> FlexDeMo:
     counts = {}
     for n in (3, 30):
         params = [torch.nn.Parameter(torch.randn(16, 8)) for _ in range(n)]
-        opt = FlexDeMo(params, **{**SMALL, **hp})
+        opt = FlexDeMo(params, **small(**hp))
         for _ in range(4):
             for p in params:
                 p.grad = torch.randn_like(p)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from test_optimizer_single import SMALL, assert_host_syncs_bounded, make_params, run_with_reference, train
+from test_optimizer_single import assert_host_syncs_bounded, make_params, run_with_reference, small, train
 
 from hf_flexdemo import FlexDeMo, FlexDeMoConfig
 from hf_flexdemo.updates import elementwise_parameters, newton_schulz
@@ -44,7 +44,7 @@ def test_rules_take_different_steps_from_the_same_update():
     moved = {}
     for update in ("sign", *RULES):
         params = make_params()
-        opt = FlexDeMo(params, **{**SMALL, "update": update})
+        opt = FlexDeMo(params, **small(update=update))
         train(opt, params, 3)
         moved[update] = params[3].detach().clone()  # the (20, 12) matrix
     assert not torch.allclose(moved["sign"], moved["adam"])
@@ -92,7 +92,7 @@ def test_orthogonal_step_has_the_size_of_a_sign_step():
 @pytest.mark.parametrize("update", RULES)
 def test_state_dict_round_trip_continues_the_same_run(update):
     params = make_params()
-    hp = {**SMALL, "update": update}
+    hp = small(update=update)
     opt = FlexDeMo(params, **hp)
     train(opt, params, 5)
     saved_params = copy.deepcopy([p.detach() for p in params])
@@ -108,12 +108,12 @@ def test_state_dict_round_trip_continues_the_same_run(update):
 
 def test_adaptive_second_moment_is_shared_state_a_healing_node_copies():
     params = make_params()
-    opt = FlexDeMo(params, **{**SMALL, "update": "adam"})
+    opt = FlexDeMo(params, **small(update="adam"))
     train(opt, params, 3)
     peer = opt.replica_state()
     assert all("update_sq" in state for state in peer["state"])
     fresh = [torch.nn.Parameter(torch.zeros_like(p)) for p in params]
-    healed = FlexDeMo(fresh, **{**SMALL, "update": "adam"})
+    healed = FlexDeMo(fresh, **small(update="adam"))
     healed.load_replica_state(peer)
     for p, q in zip(params, fresh):
         assert torch.equal(opt.state[p]["update_sq"], healed.state[q]["update_sq"])
@@ -124,7 +124,7 @@ def test_zero_gradient_step_with_zero_lr_changes_nothing():
     for update in RULES:
         params = make_params(seed=3)
         before = [p.detach().clone() for p in params]
-        opt = FlexDeMo(params, **{**SMALL, "lr": 0.0, "update": update})
+        opt = FlexDeMo(params, **small(lr=0.0, update=update))
         for p in params:
             p.grad = torch.zeros_like(p)
         opt.step()
@@ -190,8 +190,8 @@ def test_the_default_rule_is_orthogonal_with_adam_for_the_rest_where_it_applies(
 
 def test_the_default_rule_trains_like_its_explicit_settings():
     explicit, default = make_params(), make_params()
-    a = FlexDeMo(explicit, **{**SMALL, "update": "orthogonal", "elementwise_update": "adam"})
-    b = FlexDeMo(default, **SMALL)
+    a = FlexDeMo(explicit, **small(update="orthogonal", elementwise_update="adam"))
+    b = FlexDeMo(default, **small())
     train(a, explicit, 3)
     train(b, default, 3)
     for p, q in zip(explicit, default):
@@ -236,7 +236,7 @@ def test_update_is_read_from_optim_args_and_per_group():
 def test_a_warm_up_step_at_lr_0_counts_nothing_in_adams_bias_correction():
     """lr = 0 folds nothing into the momentum and moves nothing: the run equals one that skipped that step."""
     warmed, fresh = make_params(), make_params()
-    hp = {**SMALL, "update": "adam"}
+    hp = small(update="adam")
     a, b = FlexDeMo(warmed, **{**hp, "lr": 0.0}), FlexDeMo(fresh, **hp)
     train(a, warmed, 1)
     a.param_groups[0]["lr"] = hp["lr"]
@@ -250,30 +250,30 @@ def test_a_warm_up_step_at_lr_0_counts_nothing_in_adams_bias_correction():
 
 def test_resuming_with_another_update_rule_is_refused_naming_the_checkpoints():
     params = make_params()
-    opt = FlexDeMo(params, **{**SMALL, "update": "sign"})
+    opt = FlexDeMo(params, **small(update="sign"))
     train(opt, params, 2)
     saved = opt.state_dict()
     with pytest.raises(ValueError, match=r"update='sign', but this run sets update='adam'.*Resume with update='sign'"):
-        FlexDeMo(make_params(), **{**SMALL, "update": "adam"}).load_state_dict(saved)
+        FlexDeMo(make_params(), **small(update="adam")).load_state_dict(saved)
     for group in saved["param_groups"]:  # a checkpoint from before the setting existed: sign steps
         del group["update"]
     resumed = make_params()
-    old = FlexDeMo(resumed, **{**SMALL, "update": "sign"})
+    old = FlexDeMo(resumed, **small(update="sign"))
     old.load_state_dict(saved)
     train(old, resumed, 1, first=2)  # and it steps
     with pytest.raises(ValueError, match=r"update='sign', but this run sets update='orthogonal'"):
-        FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal"}).load_state_dict(saved)
+        FlexDeMo(make_params(), **small(update="orthogonal")).load_state_dict(saved)
 
 
 def test_a_sign_checkpoint_resumed_under_the_default_rule_names_the_setting_to_write():
     """A run saved before the default changed (sign, one group) and resumed with the new default (two groups)."""
     params = make_params()
-    opt = FlexDeMo(params, **{**SMALL, "update": "sign"})
+    opt = FlexDeMo(params, **small(update="sign"))
     train(opt, params, 2)
     saved = opt.state_dict()
     fresh = make_params()
     with pytest.raises(ValueError) as info:
-        FlexDeMo(fresh, **SMALL, elementwise=fresh[:1]).load_state_dict(saved)
+        FlexDeMo(fresh, **small(), elementwise=fresh[:1]).load_state_dict(saved)
     message = str(info.value)
     assert "1 parameter groups trained with update='sign'" in message
     assert "2 with update='orthogonal'/'adam'" in message and "(update='sign' in optim_args)" in message
@@ -297,12 +297,12 @@ def test_matrices_are_dealt_to_owners_largest_first_to_the_least_loaded():
 def test_a_checkpoint_of_orthogonal_with_sign_for_the_rest_names_elementwise_update_on_resume():
     """Saved with update=orthogonal when elementwise_update defaulted to sign; resumed with today's adam."""
     params = make_params()
-    opt = FlexDeMo(params, **{**SMALL, "update": "orthogonal", "elementwise_update": "sign"}, elementwise=params[:1])
+    opt = FlexDeMo(params, **small(update="orthogonal", elementwise_update="sign"), elementwise=params[:1])
     train(opt, params, 2)
     saved = opt.state_dict()
     fresh = make_params()
     with pytest.raises(ValueError, match=r"update='sign', but this run sets update='adam'.*elementwise_update='sign'"):
-        FlexDeMo(fresh, **{**SMALL, "update": "orthogonal"}, elementwise=fresh[:1]).load_state_dict(saved)
+        FlexDeMo(fresh, **small(update="orthogonal"), elementwise=fresh[:1]).load_state_dict(saved)
 
 
 def test_elementwise_parameters_matter_only_to_the_orthogonal_rule():
@@ -451,7 +451,7 @@ def test_the_optimizer_iterates_in_the_dtype_the_device_policy_gives(monkeypatch
         monkeypatch.setattr(orthogonal, "multiplies_bf16_fast", lambda device, fast=fast: fast)
         seen.clear()
         params = make_params()
-        opt = FlexDeMo(params, **{**SMALL, "update": "orthogonal", "ns_dtype": ns_dtype}, elementwise=[])
+        opt = FlexDeMo(params, **small(update="orthogonal", ns_dtype=ns_dtype), elementwise=[])
         train(opt, params, 2)
         assert seen and set(seen) == {expected}, (fast, ns_dtype, seen)
 
@@ -463,11 +463,11 @@ def test_nodes_that_would_iterate_in_different_dtypes_do_not_fit_one_job(monkeyp
     described = {}
     for fast in (True, False):
         monkeypatch.setattr(orthogonal, "multiplies_bf16_fast", lambda device, fast=fast: fast)
-        opt = FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal"}, elementwise=[])
+        opt = FlexDeMo(make_params(), **small(update="orthogonal"), elementwise=[])
         described[fast] = opt.quorum.replica.describe_layout()["settings"]["ns_dtype"]
     assert described[True] != described[False]
     assert "bf16" in described[True] and "float32" in described[False] and "set ns_dtype=" in described[False]
-    opt = FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal", "ns_dtype": "float32"}, elementwise=[])
+    opt = FlexDeMo(make_params(), **small(update="orthogonal", ns_dtype="float32"), elementwise=[])
     assert opt.quorum.replica.describe_layout()["settings"]["ns_dtype"] == "float32"
 
 
@@ -480,14 +480,14 @@ def orthogonal_step(update, dtype):
 def test_resuming_with_another_rule_for_norms_and_biases_is_refused():
     """They share the orthogonal groups, so only their saved state tells which rule moved them."""
     params = make_params()
-    opt = FlexDeMo(params, **{**SMALL, "update": "orthogonal", "elementwise_update": "sign"}, elementwise=[])
+    opt = FlexDeMo(params, **small(update="orthogonal", elementwise_update="sign"), elementwise=[])
     train(opt, params, 2)
     saved = opt.state_dict()
     with pytest.raises(ValueError, match=r"elementwise_update='sign', but this run sets elementwise_update='adam'"):
-        FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal"}, elementwise=[]).load_state_dict(saved)
-    same = FlexDeMo(make_params(), **{**SMALL, "update": "orthogonal", "elementwise_update": "sign"}, elementwise=[])
+        FlexDeMo(make_params(), **small(update="orthogonal"), elementwise=[]).load_state_dict(saved)
+    same = FlexDeMo(make_params(), **small(update="orthogonal", elementwise_update="sign"), elementwise=[])
     same.load_state_dict(saved)
-    adam = FlexDeMo(params, **{**SMALL, "update": "orthogonal"}, elementwise=[])
+    adam = FlexDeMo(params, **small(update="orthogonal"), elementwise=[])
     train(adam, params, 1)
     with pytest.raises(ValueError, match=r"elementwise_update='adam', but this run sets elementwise_update='sign'"):
         same.load_state_dict(adam.state_dict())

@@ -284,7 +284,6 @@ SWEEPS = {
     "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2) for name in CONFIGS}
     | {"demo_adam": (2e-3, 4e-3, 8e-3, 1.6e-2), "demo_ortho": (4e-3, 8e-3, 1.6e-2)}  # about the others' best (8e-3)
     | {"sparseloco_h4_2bit_ortho_adam": (4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)},  # as on pretraining: the best at the top
-
     # The 10x model on real nodes, for what one process cannot simulate (replicas that drift apart): each side at the
     # default's 10x rate, the outer steps from twice it up (at 1.6M their best was 2x-4x the default's)
     "olmo2_10x_nodes": {

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..agreement import LOCAL_SETTINGS, check_replicas_agree, group_settings
 from ..buckets import MAX_BUCKET_ENTRIES, Bucket, BucketBook, build_buckets, param_slots
-from ..config import FlexDeMoConfig, validate_group
+from ..config import FlexDeMoConfig, decay_ignored, validate_group
 from ..dtensor_utils import local_tensor
 from ..fault_tolerance.replica_state import snapshot, undo_local_step
 from ..fault_tolerance.rounds import QuorumRounds, StepRound
@@ -138,6 +138,8 @@ class FlexDeMo(torch.optim.Optimizer):
                 "for the whole optimizer: pass it to FlexDeMo(...) (or optim_args), or give the group its own "
                 "update='adam' or 'sign'."
             )
+        if "decay" in param_group and self.config.traits.outer_steps:
+            raise ValueError(decay_ignored(param_group["decay"], self.config.scheme) + " (in a parameter group)")
         if "update" not in param_group and param_group.get("sign") is False and self._update_unset:
             param_group = {**param_group, "update": "sign"}  # the raw decoded update: the sign rule's variant
         super().add_param_group(param_group)

@@ -27,7 +27,7 @@ import math
 import torch
 
 from ..buckets import Bucket, ParamSlot
-from ..compression import dequantize_codes, dequantize_tiles, pack_bits, quantize_codes
+from ..compression import dequantize_codes, dequantize_tiles, pack_bits, quantize_codes, rounding_noise
 from ..scheme_traits import SchemeTraits
 from .base import Collective, Decoded, StepContext
 from .momentum import MomentumScheme
@@ -145,9 +145,7 @@ class LowRankScheme(MomentumScheme):
             sent = factors.to(self.wire_dtype(bucket))
             return [sent], sent
         columns = factors.mT.reshape(-1, factors.shape[1])
-        noise = None
-        if self.config.rounding == "stochastic":
-            noise = torch.rand(columns.shape, generator=ctx.noise, dtype=torch.float32).to(columns.device)
+        noise = rounding_noise(bits, self.config.rounding, columns.shape, columns.device, ctx.noise)
         codes, scale = quantize_codes(columns, bits, noise=noise)
         read = dequantize_codes(codes, scale, bits).view(factors.mT.shape).mT
         return [pack_bits(codes, bits), scale], read

@@ -18,6 +18,7 @@ from ..compression import (
     index_bits_for,
     pack_bits,
     quantize_codes,
+    rounding_noise,
     unpack_bits,
 )
 from ..config import FlexDeMoConfig
@@ -42,9 +43,7 @@ class TopKWire:
 
     def noise(self, shape: tuple[int, ...], device: torch.device, generator=None) -> torch.Tensor | None:
         """Stochastic rounding's draws for ``(n_tiles, k)`` values, uniform in [0, 1); None when rounding to nearest."""
-        if self.config.value_bits and self.config.rounding == "stochastic":
-            return torch.rand(shape, generator=generator, dtype=torch.float32).to(device)
-        return None
+        return rounding_noise(self.config.value_bits, self.config.rounding, shape, device, generator)
 
     def pack(
         self,
