@@ -106,8 +106,14 @@ def test_workers_killed_during_saves_restart_on_every_node_and_end_bitwise_equal
 
 
 def test_a_crashed_job_relaunched_with_the_same_command_resumes_and_keeps_its_checkpoints(tmp_path):
-    """A worker killed during the save of checkpoint-8; the same command again continues, checkpoint-4 untouched."""
-    command = t5_command(tmp_path, "--max_steps", "12", "--save_steps", "4", "--logging_steps", "4")
+    """A worker killed during the save of checkpoint-8; the same command again continues, checkpoint-4 untouched.
+
+    The run also loads its best model at the end (``--load_best_model_at_end`` on the sharded config), across the
+    resume: the replicas must stay identical (FlexDeMoCallback compares them after the load and fails the run if
+    they differ)."""
+    best = "--load_best_model_at_end --eval_strategy steps --eval_steps 4 --metric_for_best_model loss"
+    flags = ["--max_steps", "12", "--save_steps", "4", "--logging_steps", "4", *best.split()]
+    command = t5_command(tmp_path, *flags, "--predict_with_generate", "false", "--log_level", "info")
     log = tmp_path.parent / f"{tmp_path.name}-first.log"
     first = start_logged(command, log)
     try:
@@ -126,6 +132,9 @@ def test_a_crashed_job_relaunched_with_the_same_command_resumes_and_keeps_its_ch
     assert {path: path.stat().st_mtime_ns for path in (tmp_path / "checkpoint-4").rglob("*")} == kept
     assert [step for step, _ in checkpoints(tmp_path)] == [4, 8, 12]
     assert all(incomplete_reason(folder) is None for _, folder in checkpoints(tmp_path))
+    assert "Loading best model from" in output
+    last = json.loads((tmp_path / "checkpoint-12" / "trainer_state.json").read_text())
+    assert last["best_model_checkpoint"] == str(tmp_path / f"checkpoint-{last['best_global_step']}")
 
 
 def test_restarts_with_a_shared_rendezvous_store_are_refused_before_training(tmp_path):
@@ -195,14 +204,3 @@ def test_an_unreachable_hub_gives_one_clear_error(tmp_path):
     assert "The Hub at http://127.0.0.1:9" in proc.stderr and "ConnectError" in proc.stderr, proc.stderr[-4000:]
     assert "nothing had been trained" in proc.stderr
     assert "[rank0]: Traceback" not in proc.stderr
-
-
-def test_load_best_model_at_end_on_the_sharded_config_keeps_replicas_identical(tmp_path):
-    best = "--load_best_model_at_end --eval_strategy steps --eval_steps 2 --save_steps 2 --metric_for_best_model loss"
-    flags = [*best.split(), "--predict_with_generate", "false", "--log_level", "info"]
-    proc = run_checked(t5_command(tmp_path, *flags), timeout=600)
-    assert "Loading best model from" in proc.stdout + proc.stderr
-    states = [json.loads((folder / "trainer_state.json").read_text()) for _, folder in checkpoints(tmp_path)]
-    last = states[-1]
-    assert last["best_model_checkpoint"] == str(tmp_path / f"checkpoint-{last['best_global_step']}")
-    # FlexDeMoCallback compares the replicas after the best model is loaded and fails the run if they differ.

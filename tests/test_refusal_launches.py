@@ -85,14 +85,6 @@ def test_a_parallelism_config_bigger_than_the_launch_is_refused_before_torch_bui
     assert "Write `num_processes: 4`" in output and "Mesh should not be bigger" not in output
 
 
-def test_no_rank_warns_about_slicing_a_flattened_mesh_dimension_under_hsdp(tmp_path):
-    # Accelerate's HSDP lookup (optimizers other than FlexDeMo) is silenced. FlexDeMo, which shards over the
-    # mesh's own dp_shard, is checked in test_trainer_single.py's launch of the same script.
-    returncode, output = launch(tmp_path, script_args=["--optim", "adamw_torch"], PYTHONWARNINGS="default")
-    assert returncode == 0, output[-3000:]
-    assert "Slicing a flattened dim" not in output
-
-
 def test_a_launch_naming_a_machine_that_never_comes_ends_with_the_documented_timeout_flag(tmp_path):
     # The launcher's rendezvous waits for the second machine before any of our code runs: no refusal is
     # possible, so docs/refusals.md names the flag that ends the wait instead of promising one.

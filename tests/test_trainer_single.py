@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -236,19 +237,26 @@ def test_launcher_without_a_script_prints_usage():
     assert proc.returncode == 2 and "accelerate launch" in proc.stdout
 
 
+UNSYNCHRONIZED_LAYOUTS = {
+    "fsdp1": "FSDP version 1 is refused on CPU",
+    "fsdp1_sync_module_states": "FSDP version 1 is refused on CPU",
+    "ddp": "FlexDeMo needs FSDP2 inside each node",
+}
+
+
+@pytest.fixture(scope="module")
+def refused_layouts(tmp_path_factory) -> Path:
+    """Every case of UNSYNCHRONIZED_LAYOUTS in turn, in one launch of 2 processes."""
+    out = tmp_path_factory.mktemp("refused_layouts")
+    torchrun(TESTS_DIR / "workers" / "accelerate_refusals.py", 2, ",".join(UNSYNCHRONIZED_LAYOUTS), str(out))
+    return out
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "case,message",
-    [
-        ("ddp", "FlexDeMo needs FSDP2 inside each node"),
-        ("fsdp1", "FSDP version 1 is refused on CPU"),
-        ("fsdp1_sync_module_states", "FSDP version 1 is refused on CPU"),
-    ],
-)
-def test_layouts_that_would_train_unsynchronized_are_refused(tmp_path, case, message):
-    torchrun(TESTS_DIR / "workers" / "accelerate_refusals.py", 2, case, str(tmp_path))
+@pytest.mark.parametrize("case,message", UNSYNCHRONIZED_LAYOUTS.items())
+def test_layouts_that_would_train_unsynchronized_are_refused(refused_layouts, case, message):
     for rank in range(2):
-        text = (tmp_path / f"rank{rank}.txt").read_text()
+        text = (refused_layouts / f"rank{rank}_{case}.txt").read_text()
         assert message in text, text
         assert "fsdp_version: 2" in text, text  # says what to write instead
 

@@ -1,6 +1,8 @@
 """FlexDeMo in layouts that would train wrong must be refused (run with torchrun, 2 processes, CPU).
 
-argv[1] is the case; the message of the expected error goes to argv[2]/rank<N>.txt.
+argv[1] lists the cases, run in turn in these processes; each case's error message goes to
+argv[2]/rank<N>_<case>.txt. The FSDP1 cases are refused while the Accelerate plugin is built, before any
+state exists, so they come first; the environment they set is cleared before the next case.
 """
 
 import os
@@ -9,14 +11,14 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 
 import hf_flexdemo
 
+FSDP1_VARIABLES = ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_SHARDING_STRATEGY", "FSDP_SYNC_MODULE_STATES")
 
-def main():
-    case, out = sys.argv[1], Path(sys.argv[2])
-    os.environ["ACCELERATE_USE_CPU"] = "true"
-    message = "no error"
+
+def refusal(case: str) -> str:
     try:
         if case == "ddp":  # multi-CPU DDP: every gradient would be all-reduced densely
             accelerator = Accelerator()
@@ -28,8 +30,19 @@ def main():
                 os.environ["FSDP_SYNC_MODULE_STATES"] = "true"
             Accelerator()
     except ValueError as e:
-        message = str(e)
-    (out / f"rank{os.environ['RANK']}.txt").write_text(message)
+        return str(e)
+    finally:
+        for name in FSDP1_VARIABLES:
+            os.environ.pop(name, None)
+        AcceleratorState._reset_state()  # the next case builds its own Accelerator
+    return "no error"
+
+
+def main():
+    cases, out = sys.argv[1].split(","), Path(sys.argv[2])
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    for case in cases:
+        (out / f"rank{os.environ['RANK']}_{case}.txt").write_text(refusal(case))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,14 @@ from hf_flexdemo.topology import ReplicaTopology, replica_fingerprints
 class Runs:
     runs: str = dataclasses.field(default="t5:flexdemo", metadata={"help": "model:optim,... run in order"})
     processes_per_node: int = 2
+    then_resume: str = dataclasses.field(
+        default="",
+        metadata={"help": "after the runs: one of them again from its checkpoint (<run>/checkpoint-N), into resumed/"},
+    )
+    then_resume_with: str = dataclasses.field(
+        default="",
+        metadata={"help": "last: the same checkpoint resumed with these optim_args instead, into other_rule/"},
+    )
 
 
 def model_card_optimizer(trainer: Trainer) -> str:
@@ -70,12 +78,19 @@ def main() -> None:
     runs, base = parser.parse_args_into_dataclasses()
     tok = tokenizer()
     spy = CommSpy(processes_per_node=runs.processes_per_node)
-    for item in runs.runs.split(","):
-        model_kind, optim = item.split(":")
-        out = str(Path(base.output_dir) / f"{model_kind}_{optim}")
-        optim_args = base.optim_args if optim == "flexdemo" else None  # FlexDeMo's keys are refused for others
-        args = dataclasses.replace(base, optim=optim, optim_args=optim_args, output_dir=out)
-        run_one(model_kind, optim, args, tok, spy, base.resume_from_checkpoint)
+    root = Path(base.output_dir)
+    planned = [(*item.split(":"), item.replace(":", "_"), base.optim_args, base.resume_from_checkpoint) for item in
+               runs.runs.split(",")]  # fmt: skip
+    if runs.then_resume:  # in the same processes: one start-up fewer than a launch of its own
+        model_kind, optim = Path(runs.then_resume).parent.name.split("_", 1)
+        checkpoint = str(root / runs.then_resume)
+        planned.append((model_kind, optim, "resumed", base.optim_args, checkpoint))
+        if runs.then_resume_with:
+            planned.append((model_kind, optim, "other_rule", runs.then_resume_with, checkpoint))
+    for model_kind, optim, name, optim_args, resume in planned:
+        optim_args = optim_args if optim == "flexdemo" else None  # FlexDeMo's keys are refused for others
+        args = dataclasses.replace(base, optim=optim, optim_args=optim_args, output_dir=str(root / name))
+        run_one(model_kind, optim, args, tok, spy, resume)
     if dist.is_initialized():  # leave together, as the training scripts do (script_utils.finish_distributed): a
         dist.barrier()  # process that exits while a peer's gloo connections are up can make it abort at exit
         dist.destroy_process_group()
