@@ -110,6 +110,17 @@ CONFIGS = {
         )
         for h in (3, 4)
     },
+    # The same bytes per step (about 1,150x) spent as fewer coefficients more often or more coefficients less often:
+    # the top 16 every 2 steps, the top 64 every 8, the top 128 every 16 (Elias-Fano indices cost a little less a
+    # coefficient as the top-k grows, so the larger ones send slightly fewer bytes)
+    **{
+        f"sparseloco_h{h}_top{k}_2bit_ortho_adam": (
+            "flexdemo",
+            f"scheme=sparseloco,inner_steps={h},topk={k},value_bits=2,pack_indices=true,index_coding=elias_fano,"
+            "update=orthogonal,elementwise_update=adam",
+        )
+        for h, k in ((2, 16), (8, 64), (16, 128))
+    },
     # The control: nothing crosses nodes, each node trains alone with the default rule (what the wire is worth)
     "none_ortho_adam": ("flexdemo", "scheme=none,update=orthogonal,elementwise_update=adam"),
     # Issue 45, direction 2: one side of rank-r factors a step, in a basis every replica shares (no indices);
