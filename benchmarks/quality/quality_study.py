@@ -121,6 +121,20 @@ CONFIGS = {
         )
         for h, k in ((2, 16), (8, 64), (16, 128))
     },
+    # ... and the top 64 every 8 steps with the outer step's own settings moved: the whole averaged pseudo-gradient
+    # (outer_lr=1, against 0.7), and less of the unsent part forgotten at each outer step (error feedback's decay)
+    **{
+        f"sparseloco_h8_top64_2bit_ortho_adam_{name}": (
+            "flexdemo",
+            "scheme=sparseloco,inner_steps=8,topk=64,value_bits=2,pack_indices=true,index_coding=elias_fano,"
+            f"update=orthogonal,elementwise_update=adam,{setting}",
+        )
+        for name, setting in (
+            ("outer_lr1", "outer_lr=1.0"),
+            ("ef0.95", "outer_momentum=0.95"),
+            ("ef0.99", "outer_momentum=0.99"),
+        )
+    },
     # The control: nothing crosses nodes, each node trains alone with the default rule (what the wire is worth)
     "none_ortho_adam": ("flexdemo", "scheme=none,update=orthogonal,elementwise_update=adam"),
     # Issue 45, direction 2: one side of rank-r factors a step, in a basis every replica shares (no indices);
