@@ -122,7 +122,8 @@ CONFIGS = {
         for h, k in ((2, 16), (8, 64), (16, 128))
     },
     # ... and the top 64 every 8 steps with the outer step's own settings moved: the whole averaged pseudo-gradient
-    # (outer_lr=1, against 0.7), and less of the unsent part forgotten at each outer step (error feedback's decay)
+    # (outer_lr=1, against 0.7), and less or more of the unsent part forgotten at each outer step (error feedback's
+    # decay, 0.9 by default)
     **{
         f"sparseloco_h8_top64_2bit_ortho_adam_{name}": (
             "flexdemo",
@@ -133,6 +134,8 @@ CONFIGS = {
             ("outer_lr1", "outer_lr=1.0"),
             ("ef0.95", "outer_momentum=0.95"),
             ("ef0.99", "outer_momentum=0.99"),
+            ("ef0.8", "outer_momentum=0.8"),
+            ("ef0.5", "outer_momentum=0.5"),
         )
     },
     # The control: nothing crosses nodes, each node trains alone with the default rule (what the wire is worth)
