@@ -127,6 +127,9 @@ def frontier_plot(study: Path, out: Path, min_seeds: int = 3, also: list[Path] =
 
     table = summarize(study_runs(study, also))
     model = next(m for m, _ in table)
+    # The same model run another way in the same study (olmo2_10x_nodes: olmo2_10x on real nodes, for what one
+    # process cannot simulate), each point against its own AdamW-HSDP
+    group = {m for m, _ in table if m.startswith(model)}
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, pick, marker in [
         (
@@ -147,7 +150,7 @@ def frontier_plot(study: Path, out: Path, min_seeds: int = 3, also: list[Path] =
         points = [
             (row["ratio_to_dense"], 100 * row["vs_adamw"], name.removesuffix("_ortho_adam"))
             for (m, name), row in table.items()
-            if m == model
+            if m in group
             and pick(name)
             and "ratio_to_dense" in row
             and "vs_adamw" in row
@@ -168,15 +171,18 @@ def frontier_plot(study: Path, out: Path, min_seeds: int = 3, also: list[Path] =
             ax.annotate(name, (x, y), fontsize=7, xytext=(3, -9), textcoords="offset points")
     ax.axhline(0, color="black", linewidth=1)
     ax.axhline(3, color="grey", linewidth=0.8, linestyle=":")
-    alone = table.get((model, "none_ortho_adam"))
-    if alone and alone["seeds"] >= min_seeds and "vs_adamw" in alone:  # a wire above this line buys nothing
-        label = "nothing sent (scheme=none, default rule): a wire must end below it"
-        ax.axhline(100 * alone["vs_adamw"], color="red", linewidth=1, linestyle="--", label=label)
+    for config, colour, label in [
+        ("none_ortho_adam", "red", "nothing sent (scheme=none, default rule): a wire must end below it"),
+        ("full_ortho_adam", "green", "everything sent (scheme=full, default rule): what a wire can reach"),
+    ]:
+        row = next((table[(m, config)] for m in sorted(group) if (m, config) in table), None)
+        if row and row["seeds"] >= min_seeds and "vs_adamw" in row:
+            ax.axhline(100 * row["vs_adamw"], color=colour, linewidth=1, linestyle="--", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("x fewer bytes per step than AdamW-HSDP's dense all-reduce (log)")
     ax.set_ylabel("final validation loss against AdamW-HSDP (%; below 0 is better)")
     seeds = f"{min_seeds} seeds" if min_seeds > 1 else "1 to 3 seeds, means"
-    title = f"{model}: loss against bytes, {seeds}, rates swept (dotted: +3%)"
+    title = f"{' and '.join(sorted(group))}: loss against bytes, {seeds}, rates swept (dotted: +3%)"
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
