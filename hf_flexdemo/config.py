@@ -293,12 +293,6 @@ class WireSettings:
             )
         _check_bool("pack_indices", self.pack_indices)
         _check_choice("index_coding", self.index_coding, INDEX_CODINGS)
-        if self.value_bits and self.value_dtype != "param":
-            raise ValueError(
-                f"FlexDeMo: value_dtype={self.value_dtype!r} cannot act with value_bits={self.value_bits}: the values "
-                "travel as integer codes with float32 scales, so value_dtype would be ignored. Drop value_dtype, or "
-                "set value_bits=0 to send values in that dtype."
-            )
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -499,6 +493,12 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
                 f"to 'lowrank', not "
                 f"scheme={self.scheme!r}; leave it at 0 (for fewer bytes there, use value_dtype='bf16'), or for "
                 "low-bit outer steps use scheme='sparseloco'."
+            )
+        if self.value_bits and self.value_dtype != "param":  # after the scheme's own check of value_bits
+            raise ValueError(
+                f"FlexDeMo: value_dtype={self.value_dtype!r} cannot act with value_bits={self.value_bits}: the values "
+                "travel as integer codes with float32 scales, so value_dtype would be ignored. Leave value_dtype at "
+                "'param' (drop it), or set value_bits=0 to send values in that dtype."
             )
         if self.pack_indices and not self.traits.top_k:
             raise ValueError(
@@ -824,12 +824,13 @@ def default_update(scheme: str, sign: bool = True) -> str:
     return DEFAULT_UPDATE
 
 
-def decay_ignored(decay: Any, scheme: str) -> str:
-    """The refusal of ``decay`` on a scheme that would ignore it (diloco, sparseloco)."""
+def decay_ignored(decay: Any, scheme: str, where: str = "") -> str:
+    """The refusal of ``decay`` (``where``: in a parameter group) on a scheme that would ignore it."""
     return (
-        f"FlexDeMo: decay={decay!r} is the per-step schemes' momentum decay; scheme={scheme!r} would ignore it: "
-        "its inner step's momentum is betas[0] (--adam_beta1), and outer_momentum is its outer step's momentum "
-        "(diloco) or its error feedback's decay (sparseloco). Drop decay, and set those instead."
+        f"FlexDeMo: decay={decay!r}{where} is the momentum decay of the per-step schemes "
+        f"{schemes_where('per_step')}; scheme={scheme!r} would ignore it: its inner step's momentum is betas[0] "
+        "(--adam_beta1), and outer_momentum is its outer step's momentum (diloco) or its error feedback's decay "
+        "(sparseloco). Drop decay, and set betas or outer_momentum (for the whole optimizer) instead."
     )
 
 

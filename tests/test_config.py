@@ -19,7 +19,11 @@ BAD = [
     (dict(decay=-0.1), "decay=-0.1", "[0.0, 1.0)"),
     (dict(lr=-1e-3), "lr=-0.001", "[0.0, inf)"),
     (dict(weight_decay=-0.1), "weight_decay=-0.1", "[0.0, inf)"),
-    (dict(scheme="sgd"), "scheme='sgd'", "'demo', 'full', 'none', 'diloco', 'lowrank', 'sparseloco', 'random', 'striding'"),
+    (
+        dict(scheme="sgd"),
+        "scheme='sgd'",
+        "'demo', 'full', 'none', 'diloco', 'lowrank', 'sparseloco', 'random', 'striding'",
+    ),
     (dict(replicate_every=0), "replicate_every=0", ">= 1"),
     (dict(scheme="diloco", replicate_every=2), "replicate_every=2", "inner_steps"),
     (dict(scheme="diloco", inner_steps=0), "inner_steps=0", ">= 1"),
@@ -72,12 +76,14 @@ BAD = [
     (dict(stall_wait=5.0), "stall_wait=5", "fault_tolerance=torchft"),
     (dict(scheme="diloco", fault_tolerance="torchft", replay_steps=32), "replay_steps=32", "Drop replay_steps"),
     # the outer-step schemes' momenta are betas[0] and outer_momentum: decay would be ignored, even at DeMo's value
-    (dict(scheme="diloco", decay=0.9), "decay=0.9", "betas[0] (--adam_beta1)"),
+    (dict(scheme="diloco", decay=0.9), "decay=0.9", "per-step schemes ('demo'"),
     (dict(scheme="sparseloco", decay=0.999), "decay=0.999", "Drop decay"),
     # codes and float32 scales travel: the dtype of plain values would be ignored
     (dict(value_bits=2, value_dtype="bf16"), "value_dtype='bf16'", "value_bits=0"),
-    (dict(scheme="sparseloco", value_bits=1, value_dtype="fp32"), "value_dtype='fp32'", "Drop value_dtype"),
-    (dict(scheme="lowrank", value_bits=4, value_dtype="fp16"), "value_dtype='fp16'", "Drop value_dtype"),
+    (dict(scheme="sparseloco", value_bits=1, value_dtype="fp32"), "value_dtype='fp32'", "Leave value_dtype at 'param'"),
+    (dict(scheme="lowrank", value_bits=4, value_dtype="fp16"), "value_dtype='fp16'", "drop it"),
+    # the scheme's own refusal of value_bits speaks first: it is what to change
+    (dict(scheme="random", value_bits=2, value_dtype="bf16"), "value_bits=2", "use value_dtype='bf16'"),
 ]
 
 
@@ -101,9 +107,12 @@ def test_bad_hyperparameter_in_a_param_group_is_refused(kwargs, value, allowed):
 @pytest.mark.parametrize("scheme", ["diloco", "sparseloco"])
 def test_a_momentum_decay_in_a_parameter_group_of_an_outer_step_scheme_is_refused(scheme):
     groups = [{"params": [torch.nn.Parameter(torch.zeros(4))], "decay": 0.95}]
-    with pytest.raises(ValueError, match=r"decay=0.95 .* ignore it.*\(in a parameter group\)"):
+    with pytest.raises(ValueError, match=r"decay=0.95 in a parameter group is .* would ignore it"):
         FlexDeMo(groups, scheme=scheme)
     assert FlexDeMo(groups, scheme="demo").param_groups[0]["decay"] == 0.95
+    unset = [{"params": [torch.nn.Parameter(torch.zeros(4))], "decay": None}]  # as FlexDeMo(decay=None)
+    assert FlexDeMo(unset, scheme=scheme).param_groups[0]["decay"] == 0.999
+    assert FlexDeMo(unset, scheme="demo", decay=0.9).param_groups[0]["decay"] == 0.9
 
 
 def test_an_unset_momentum_decay_is_demos_and_an_outer_step_scheme_runs_without_one():

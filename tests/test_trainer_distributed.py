@@ -27,7 +27,13 @@ def launched(tmp_path_factory):
     resumes = ["--then_resume", "t5_flexdemo/checkpoint-4", "--then_resume_with", "topk=8,chunk=16,update=sign"]
     cmd = launch_command(TRAINER_WORKER, "--runs", runs, *resumes, "--output_dir", str(out), *COMMON)
     # Warnings shown: no rank may warn about slicing a flattened mesh dimension under HSDP (the AdamW runs).
-    proc = subprocess.run(cmd, env=child_env(PYTHONWARNINGS="default"), capture_output=True, text=True, timeout=1200)
+    try:
+        proc = subprocess.run(
+            cmd, env=child_env(PYTHONWARNINGS="default"), capture_output=True, text=True, timeout=1200
+        )
+    except subprocess.TimeoutExpired as late:
+        said = (late.stdout or b"").decode(errors="replace") + (late.stderr or b"").decode(errors="replace")
+        raise AssertionError(f"the launch outlived 1200 s:\n{said[-6000:]}") from None
     try:
         results = {name: read_run(out, name) for name in (*RUNS, "resumed")}
     except FileNotFoundError as missing:

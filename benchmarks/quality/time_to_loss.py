@@ -129,7 +129,7 @@ def frontier_plot(study: Path, out: Path, min_seeds: int = 3, also: list[Path] =
     model = next(m for m, _ in table)
     # The same model run another way in the same study (olmo2_10x_nodes: olmo2_10x on real nodes, for what one
     # process cannot simulate), each point against its own AdamW-HSDP
-    group = {m for m, _ in table if m.startswith(model)}
+    group = {m for m, _ in table if m in (model, f"{model}_nodes")}
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, pick, marker in [
         (
@@ -148,7 +148,7 @@ def frontier_plot(study: Path, out: Path, min_seeds: int = 3, also: list[Path] =
         ("low-rank factors (scheme=lowrank), the default rule", lambda n: n.startswith("lowrank"), "P"),
     ]:
         points = [
-            (row["ratio_to_dense"], 100 * row["vs_adamw"], name.removesuffix("_ortho_adam"))
+            (row["ratio_to_dense"], 100 * row["vs_adamw"], name.removesuffix("_ortho_adam") + m.removeprefix(model))
             for (m, name), row in table.items()
             if m in group
             and pick(name)

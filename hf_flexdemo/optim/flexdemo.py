@@ -138,8 +138,10 @@ class FlexDeMo(torch.optim.Optimizer):
                 "for the whole optimizer: pass it to FlexDeMo(...) (or optim_args), or give the group its own "
                 "update='adam' or 'sign'."
             )
+        if "decay" in param_group and param_group["decay"] is None:  # unset, as FlexDeMo(decay=None) is
+            param_group = {key: value for key, value in param_group.items() if key != "decay"}
         if "decay" in param_group and self.config.traits.outer_steps:
-            raise ValueError(decay_ignored(param_group["decay"], self.config.scheme) + " (in a parameter group)")
+            raise ValueError(decay_ignored(param_group["decay"], self.config.scheme, " in a parameter group"))
         if "update" not in param_group and param_group.get("sign") is False and self._update_unset:
             param_group = {**param_group, "update": "sign"}  # the raw decoded update: the sign rule's variant
         super().add_param_group(param_group)

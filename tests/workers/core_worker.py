@@ -31,6 +31,7 @@ from hf_flexdemo import FlexDeMo
 from hf_flexdemo.compression import ChunkPlan, from_coefficients
 from hf_flexdemo.dtensor_utils import local_tensor
 from hf_flexdemo.optim.flexdemo_reference import FlexDeMoReference
+from hf_flexdemo.scheme_traits import traits_of
 from hf_flexdemo.schemes.momentum import momentum_dtype
 from hf_flexdemo.state_store import StateStore
 from hf_flexdemo.topology import replica_fingerprints
@@ -146,7 +147,9 @@ def check_oracle(mesh, coords) -> dict:
     replicas = mesh["replicate"].size()
     out = {}
     for name, hp in configs.items():
-        hp = {**SMALL, **hp, "lr": 0.05, "weight_decay": 0.1, "decay": 0.9}
+        hp = {**SMALL, **hp, "lr": 0.05, "weight_decay": 0.1}
+        if not traits_of(hp["scheme"]).outer_steps:  # diloco's momentum is betas[0]: it refuses decay
+            hp["decay"] = 0.9
         model = build(mesh, dtype=torch.float64)
         params = list(model.parameters())
         opt = FlexDeMo(params, mesh=mesh, **hp)
