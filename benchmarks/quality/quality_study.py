@@ -152,6 +152,8 @@ CONFIGS = {
     },
 }
 LOWRANK = tuple(name for name in CONFIGS if name.startswith("lowrank_"))
+OUTER_STEP_PROBES = tuple(name for name in CONFIGS if name.startswith("sparseloco_h8_top64_2bit_ortho_adam_"))
+"""The outer step's own settings moved (fine-tuning probes, 2026-11-29): swept as the outer steps with Muon inside."""
 WIRE_PROBES = {
     "demo_top128": "topk=128",
     "demo_top512": "topk=512",
@@ -277,6 +279,7 @@ SWEEPS = {
             ("sparseloco_h3_2bit_ortho_adam", "sparseloco_h4_2bit_ortho_adam"), (4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)
         ),
         **dict.fromkeys(LOWRANK, (4e-3, 8e-3, 1.6e-2)),  # from the default's rate up
+        **dict.fromkeys(OUTER_STEP_PROBES, (8e-3, 1.6e-2, 3.2e-2)),
     },
     "t5": {
         "adamw_hsdp": (1e-3, 2e-3, 4e-3, 8e-3),
@@ -290,6 +293,7 @@ SWEEPS = {
         "sparseloco_h3_2bit": (4e-3, 8e-3, 1.6e-2),
         "sparseloco_h4_2bit_ortho_adam": (8e-3, 1.6e-2, 3.2e-2),  # from the default's T5 rate up
         **dict.fromkeys(LOWRANK, (8e-3, 1.6e-2)),
+        **dict.fromkeys(OUTER_STEP_PROBES, (8e-3, 1.6e-2, 3.2e-2)),
     },
     # At scale: each side's small-scale best and the next rate in the direction larger models move (down), the
     # compressed presets from their small-scale best (twice the default's) down.
