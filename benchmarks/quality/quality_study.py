@@ -328,6 +328,11 @@ SWEEPS = {
 for _model in ("olmo2_10x", "olmo2_125m"):
     SWEEPS[_model] = SWEEPS["olmo2"] | SWEEPS[_model]
 SWEEPS["olmo2_10x_nodes"] = SWEEPS["olmo2_10x"] | SWEEPS["olmo2_10x_nodes"]
+# Fine-tuning at 10x: each side's 1.6M best (8e-3) and half it, as pretraining's best halved at 10x; the outer steps
+# from the 1.6M best (1.6e-2) up, as at 10x pretraining.
+_AT_FT_10X = ("adamw_hsdp", "demo_ortho_adam", "wire_2bit_ortho_adam", "wire_top128_4bit_ortho_adam", "none_ortho_adam")
+SWEEPS["olmo2_ft_10x"] = SWEEPS["olmo2_ft"] | dict.fromkeys(_AT_FT_10X, (4e-3, 8e-3))
+SWEEPS["olmo2_ft_10x_nodes"] = SWEEPS["olmo2_ft_10x"] | {"sparseloco_h4_2bit_ortho_adam": (1.6e-2, 3.2e-2)}
 
 
 # model: (script, its flags); "{base}" is the study's pretrained base model (olmo2_ft).
@@ -370,8 +375,13 @@ PRESETS |= {
 PRESETS["olmo2_10x_nodes"] = ("train_olmo2.py", [*PRESETS["olmo2_10x"][1], "--per_device_train_batch_size", "4"])
 """The 10x model on 2 nodes x 2 processes, 4 blocks a process: 8 a node a step, as each simulated replica takes.
 For ``scheme=none`` and the outer-step schemes, whose replicas ``simulate_replicas`` cannot hold apart."""
-AT_SCALE = (*SIMULATED, "olmo2_10x_nodes")
-"""The presets whose tokenized text is cached in ``DATA_CACHE``."""
+# Fine-tuning at 10x: the 10x model pretrained once (BASE_MODELS), then fine-tuned as olmo2_ft is, with replicas
+# simulated or (for none and the outer steps) on real nodes, 8 blocks a replica a step as at 10x pretraining.
+PRESETS["olmo2_ft_10x"] = PRESETS["olmo2_ft"]
+PRESETS["olmo2_ft_10x_nodes"] = ("train_olmo2.py", [*PRESETS["olmo2_ft"][1], "--per_device_train_batch_size", "4"])
+SIMULATED["olmo2_ft_10x"] = 2
+AT_SCALE = ("olmo2_10x", "olmo2_125m", "olmo2_10x_nodes")
+"""The presets whose tokenized text is cached in ``DATA_CACHE`` (pretraining from a config)."""
 SCALE_CONFIGS = ("adamw_hsdp", "demo_ortho_adam", "wire_2bit_ortho_adam", "wire_top128_4bit_ortho_adam")
 """AdamW-HSDP, the default (DeMo's wire and the default rule), and the two compressed presets the README leads with."""
 DATA_CACHE = ROOT / "benchmarks" / "results" / "quality" / "data_cache"
@@ -379,9 +389,17 @@ DATA_CACHE = ROOT / "benchmarks" / "results" / "quality" / "data_cache"
 DRY_RUN = ["--hidden_size", "64", "--num_layers", "2", "--vocab_size", "1024", "--block_size", "64"]
 DRY_RUN += ["--max_train_samples", "256", "--max_eval_samples", "16"]
 """``--dry_run``: every configuration a few steps on a model this small, to find a broken pipeline in seconds."""
-BASE_MODEL = ["--offline_text", "docstrings", "--optim", "adamw_torch", "--learning_rate", "4e-3"]
+BASE_MODEL = ["--offline_text", "docstrings", "--optim", "adamw_torch"]
 BASE_MODEL += ["--max_steps", "300", "--warmup_steps", "15", "--seed", "0", "--save_strategy", "no"]
-"""olmo2_ft's base: AdamW-HSDP on the standard library's docstrings (its best pretraining rate on OLMo2)."""
+BASE_MODELS = {
+    "olmo2_ft": [*BASE_MODEL, "--learning_rate", "4e-3"],
+    # the 10x model, at AdamW-HSDP's best 10x pretraining rate, 8 blocks a node as its fine-tuning takes
+    "olmo2_ft_10x": [*BASE_MODEL, "--learning_rate", "2e-3", "--hidden_size", "320", "--num_layers", "8"]
+    + ["--per_device_train_batch_size", "4"],
+}
+"""Each fine-tuning preset's base: AdamW-HSDP on the standard library's docstrings (its best pretraining rate on
+OLMo2 at that size)."""
+BASE_MODELS["olmo2_ft_10x_nodes"] = BASE_MODELS["olmo2_ft_10x"]
 
 
 def free_port() -> int:
@@ -405,12 +423,13 @@ def launch(script: str, args: list[str], out: Path, one_process: bool = False) -
         raise RuntimeError(f"{out.name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
 
 
-def base_model(study_dir: Path) -> Path:
-    """The pretrained base model that olmo2_ft fine-tunes, trained once per study directory."""
+def base_model(study_dir: Path, model: str = "olmo2_ft") -> Path:
+    """The pretrained base model that a fine-tuning preset fine-tunes, trained once per study directory (the 10x
+    presets, simulated and on nodes, share theirs)."""
     base = study_dir / "base"
     if not (base / "model.safetensors").exists():
         print(f"pretraining the base model into {base}", flush=True)
-        launch("train_olmo2.py", [*BASE_MODEL, "--report_to", "none"], base)
+        launch("train_olmo2.py", [*BASE_MODELS[model], "--report_to", "none"], base)
     return base
 
 
@@ -540,7 +559,7 @@ def study(args) -> bool:
     time budget ran out first; the next call resumes)."""
     args.out.mkdir(parents=True, exist_ok=True)
     runs = Runs(args.out / "runs.json")
-    base = base_model(args.out) if "{base}" in PRESETS[args.model][1] else None
+    base = base_model(args.out, args.model) if "{base}" in PRESETS[args.model][1] else None
     deadline = time.time() + args.time_budget if args.time_budget else math.inf
     best = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -586,7 +605,7 @@ def retime(args, runs: Runs) -> None:
     path = args.out / "timings.json"
     timings = json.loads(path.read_text()) if path.exists() else []
     done = {(t["model"], t["config"], t["lr"], t["steps"], t["rep"]) for t in timings}
-    base = base_model(args.out) if "{base}" in PRESETS[args.model][1] else None
+    base = base_model(args.out, args.model) if "{base}" in PRESETS[args.model][1] else None
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.retime):
             for name in names:
@@ -604,7 +623,7 @@ def wire_bytes(args) -> None:
     the first step's one-off start check: ``<out>/wire_bytes.json``."""
     path = args.out / "wire_bytes.json"
     measured = json.loads(path.read_text()) if path.exists() else {}
-    base = base_model(args.out) if "{base}" in PRESETS[args.model][1] else None
+    base = base_model(args.out, args.model) if "{base}" in PRESETS[args.model][1] else None
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
             if name in measured:
