@@ -834,6 +834,26 @@ def decay_ignored(decay: Any, scheme: str, where: str = "") -> str:
     )
 
 
+def whole_optimizer_setting_in_group(group: dict[str, Any]) -> str | None:
+    """The refusal of a setting that holds for the whole optimizer (``outer_momentum``, ``scheme``, ...) given in a
+    parameter group, which ``torch.optim`` would keep there unread; None if the group has none. Keys that are no
+    setting at all (a group's ``name``, say) stay the user's, as torch allows."""
+    settings = {field.name for field in dataclasses.fields(FlexDeMoConfig)} - set(GROUP_KEYS) - {"params"}
+    given = sorted(settings & set(group))
+    if not given:
+        return None
+    key = given[0]
+    what = (
+        ", or give the group its own update='adam' or 'sign'"
+        if key == "elementwise_update"
+        else f"; a group may set {', '.join(GROUP_KEYS)}"
+    )
+    return (
+        f"FlexDeMo: {key}={group[key]!r} in a parameter group; it holds for the whole optimizer and a group's copy "
+        f"would be ignored: pass it to FlexDeMo(...) (or optim_args) instead{what}."
+    )
+
+
 def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str = "sign") -> None:
     """Check the per-group hyperparameters; raises ValueError naming the setting, value and range.
 

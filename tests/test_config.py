@@ -115,6 +115,24 @@ def test_a_momentum_decay_in_a_parameter_group_of_an_outer_step_scheme_is_refuse
     assert FlexDeMo(unset, scheme="demo", decay=0.9).param_groups[0]["decay"] == 0.9
 
 
+@pytest.mark.parametrize(
+    ("key", "value"), [("outer_momentum", 0.8), ("scheme", "full"), ("value_bits", 2), ("inner_steps", 4)]
+)
+def test_a_setting_of_the_whole_optimizer_in_a_parameter_group_is_refused_not_ignored(key, value):
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(4))]}, {"params": [torch.nn.Parameter(torch.zeros(4))]}]
+    groups[1][key] = value
+    with pytest.raises(ValueError) as err:
+        FlexDeMo(groups, scheme="sparseloco")
+    message = str(err.value)
+    assert f"{key}={value!r} in a parameter group; it holds for the whole optimizer" in message
+    assert "pass it to FlexDeMo(...) (or optim_args) instead" in message and "a group may set lr, " in message
+
+
+def test_a_group_keeps_keys_that_are_no_setting_as_torch_optimizers_do():
+    group = {"params": [torch.nn.Parameter(torch.zeros(4))], "name": "embeddings", "lr": 1e-3}
+    assert FlexDeMo([group]).param_groups[0]["name"] == "embeddings"
+
+
 def test_an_unset_momentum_decay_is_demos_and_an_outer_step_scheme_runs_without_one():
     assert FlexDeMoConfig().decay == FlexDeMoConfig(scheme="diloco").decay == 0.999
     assert FlexDeMoConfig.from_optim_args("scheme=sparseloco,outer_momentum=0.9").outer_momentum == 0.9

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..agreement import LOCAL_SETTINGS, check_replicas_agree, group_settings
 from ..buckets import MAX_BUCKET_ENTRIES, Bucket, BucketBook, build_buckets, param_slots
-from ..config import FlexDeMoConfig, decay_ignored, validate_group
+from ..config import FlexDeMoConfig, decay_ignored, validate_group, whole_optimizer_setting_in_group
 from ..dtensor_utils import local_tensor
 from ..fault_tolerance.replica_state import snapshot, undo_local_step
 from ..fault_tolerance.rounds import QuorumRounds, StepRound
@@ -132,12 +132,9 @@ class FlexDeMo(torch.optim.Optimizer):
             self.attach(mesh, replicate_dim)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if "elementwise_update" in param_group:
-            raise ValueError(
-                f"FlexDeMo: elementwise_update={param_group['elementwise_update']!r} in a parameter group; it holds "
-                "for the whole optimizer: pass it to FlexDeMo(...) (or optim_args), or give the group its own "
-                "update='adam' or 'sign'."
-            )
+        refusal = whole_optimizer_setting_in_group(param_group)
+        if refusal:
+            raise ValueError(refusal)
         if "decay" in param_group and param_group["decay"] is None:  # unset, as FlexDeMo(decay=None) is
             param_group = {key: value for key, value in param_group.items() if key != "decay"}
         if "decay" in param_group and self.config.traits.outer_steps:
