@@ -181,6 +181,8 @@ WIRE_PROBES = {
         f"demo_top{k}_chunk128_1bit_ef": f"topk={k},chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
         for k in (16, 20, 22, 24, 28, 32)
     },
+    # About `2bit`'s bytes (334x): 128 x 128 tiles at 1 bit, 40 coefficients per 4,096 against its 32 at 2 bits
+    "demo_top160_chunk128_1bit_ef": "topk=160,chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano",
     # Issue 45, direction 3 (its simplest form): `wire=2bit`'s exchange every 3 steps, the gradients of the steps
     # between accumulated in the momentum (replicate_every), so about 1,000x fewer bytes per step than dense
     "demo_2bit_every3": "topk=32,value_bits=2,pack_indices=true,index_coding=elias_fano,replicate_every=3",
