@@ -60,7 +60,10 @@ def test_fine_tuning_runs_start_from_the_study_base_model(tmp_path, monkeypatch)
     assert base == tmp_path / "base" and "docstrings" in launched[0][1] and "adamw_torch" in launched[0][1]
     (base / "model.safetensors").parent.mkdir(parents=True)
     (base / "model.safetensors").write_bytes(b"")
+    (base / "config.json").write_text('{"hidden_size": 128}')
     assert quality_study.base_model(tmp_path) == base and len(launched) == 1  # pretrained once per study
+    with pytest.raises(SystemExit, match="another preset's base model"):  # the 10x preset on the 1.6M base
+        quality_study.base_model(tmp_path, "olmo2_ft_10x")
     with pytest.raises(FileNotFoundError):  # the launch was faked: no trainer_state.json
         quality_study.run("olmo2_ft", "demo_adam", 1e-3, 0, 10, tmp_path, 0, base)
     script, args, _ = launched[-1]

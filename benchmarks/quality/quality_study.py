@@ -330,11 +330,11 @@ SWEEPS = {
 for _model in ("olmo2_10x", "olmo2_125m"):
     SWEEPS[_model] = SWEEPS["olmo2"] | SWEEPS[_model]
 SWEEPS["olmo2_10x_nodes"] = SWEEPS["olmo2_10x"] | SWEEPS["olmo2_10x_nodes"]
-# Fine-tuning at 10x: each side's 1.6M best (8e-3) and half it, as pretraining's best halved at 10x; the outer steps
-# from the 1.6M best (1.6e-2) up, as at 10x pretraining.
+# Fine-tuning at 10x: each side's 1.6M best (8e-3) down to a quarter of it, as pretraining's best halved at 10x; the
+# outer steps from half their 1.6M best (1.6e-2) up.
 _AT_FT_10X = ("adamw_hsdp", "demo_ortho_adam", "wire_2bit_ortho_adam", "wire_top128_4bit_ortho_adam", "none_ortho_adam")
-SWEEPS["olmo2_ft_10x"] = SWEEPS["olmo2_ft"] | dict.fromkeys(_AT_FT_10X, (4e-3, 8e-3))
-SWEEPS["olmo2_ft_10x_nodes"] = SWEEPS["olmo2_ft_10x"] | {"sparseloco_h4_2bit_ortho_adam": (1.6e-2, 3.2e-2)}
+SWEEPS["olmo2_ft_10x"] = SWEEPS["olmo2_ft"] | dict.fromkeys(_AT_FT_10X, (2e-3, 4e-3, 8e-3))
+SWEEPS["olmo2_ft_10x_nodes"] = SWEEPS["olmo2_ft_10x"] | {"sparseloco_h4_2bit_ortho_adam": (8e-3, 1.6e-2, 3.2e-2)}
 
 
 # model: (script, its flags); "{base}" is the study's pretrained base model (olmo2_ft).
@@ -429,9 +429,14 @@ def base_model(study_dir: Path, model: str = "olmo2_ft") -> Path:
     """The pretrained base model that a fine-tuning preset fine-tunes, trained once per study directory (the 10x
     presets, simulated and on nodes, share theirs)."""
     base = study_dir / "base"
+    flags = BASE_MODELS[model]
+    width = int(flags[flags.index("--hidden_size") + 1]) if "--hidden_size" in flags else 128  # the script's default
     if not (base / "model.safetensors").exists():
         print(f"pretraining the base model into {base}", flush=True)
-        launch("train_olmo2.py", [*BASE_MODELS[model], "--report_to", "none"], base)
+        launch("train_olmo2.py", [*flags, "--report_to", "none"], base)
+    elif json.loads((base / "config.json").read_text())["hidden_size"] != width:
+        sys.exit(f"quality_study: {base} is another preset's base model (not {width} wide); --model {model} needs "
+                 "its own --out")  # fmt: skip
     return base
 
 
@@ -842,6 +847,9 @@ def main() -> None:
         wire_bytes(args)
         return
     if args.dry_run:
+        if "{base}" in PRESETS[args.model][1]:
+            sys.exit(f"quality_study: --dry_run builds a tiny model from a config; {args.model!r} fine-tunes a "
+                     "pretrained base: dry-run olmo2_10x instead")  # fmt: skip
         if args.model not in SIMULATED:
             sys.exit(f"quality_study: --dry_run is for the presets at scale {sorted(SIMULATED)}, not {args.model!r}")
         dry_run(args)
