@@ -101,14 +101,14 @@ CONFIGS = {
         "scheme=sparseloco,inner_steps=3,topk=32,value_bits=2,pack_indices=true,index_coding=elias_fano",
     ),
     # ... and with the default rule's orthogonalized step inside (Muon's on the replica's own momentum); every 4
-    # steps, about 1,250x
+    # steps, about 1,250x; every 5, so that evaluations every 10 steps fall on outer steps
     **{
         f"sparseloco_h{h}_2bit_ortho_adam": (
             "flexdemo",
             f"scheme=sparseloco,inner_steps={h},topk=32,value_bits=2,pack_indices=true,index_coding=elias_fano,"
             "update=orthogonal,elementwise_update=adam",
         )
-        for h in (3, 4)
+        for h in (3, 4, 5)
     },
     # The same bytes per step (about 1,150x) spent as fewer coefficients more often or more coefficients less often:
     # the top 16 every 2 steps, the top 64 every 8, the top 128 every 16 (Elias-Fano indices cost a little less a
@@ -278,7 +278,8 @@ SWEEPS = {
         "sparseloco_h3_2bit": (4e-3, 8e-3, 1.6e-2, 3.2e-2),  # each best at the top of the ones before
         # The inner steps of Muon's size: from the default's rate up, as the best kept sitting at the top
         **dict.fromkeys(
-            ("sparseloco_h3_2bit_ortho_adam", "sparseloco_h4_2bit_ortho_adam"), (4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)
+            ("sparseloco_h3_2bit_ortho_adam", "sparseloco_h4_2bit_ortho_adam", "sparseloco_h5_2bit_ortho_adam"),
+            (4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2),
         ),
         **dict.fromkeys(LOWRANK, (4e-3, 8e-3, 1.6e-2)),  # from the default's rate up
         **dict.fromkeys(OUTER_STEP_PROBES, (8e-3, 1.6e-2, 3.2e-2)),
@@ -293,7 +294,8 @@ SWEEPS = {
         "diloco": (1e-3, 2e-3),
         "sparseloco": (2e-3, 4e-3),
         "sparseloco_h3_2bit": (4e-3, 8e-3, 1.6e-2),
-        "sparseloco_h4_2bit_ortho_adam": (8e-3, 1.6e-2, 3.2e-2),  # from the default's T5 rate up
+        **dict.fromkeys(("sparseloco_h4_2bit_ortho_adam", "sparseloco_h5_2bit_ortho_adam"), (8e-3, 1.6e-2, 3.2e-2)),
+        # from the default's T5 rate up
         **dict.fromkeys(LOWRANK, (8e-3, 1.6e-2)),
         **dict.fromkeys(OUTER_STEP_PROBES, (8e-3, 1.6e-2, 3.2e-2)),
     },
@@ -334,7 +336,9 @@ SWEEPS["olmo2_10x_nodes"] = SWEEPS["olmo2_10x"] | SWEEPS["olmo2_10x_nodes"]
 # outer steps from half their 1.6M best (1.6e-2) up.
 _AT_FT_10X = ("adamw_hsdp", "demo_ortho_adam", "wire_2bit_ortho_adam", "wire_top128_4bit_ortho_adam", "none_ortho_adam")
 SWEEPS["olmo2_ft_10x"] = SWEEPS["olmo2_ft"] | dict.fromkeys(_AT_FT_10X, (2e-3, 4e-3, 8e-3))
-SWEEPS["olmo2_ft_10x_nodes"] = SWEEPS["olmo2_ft_10x"] | {"sparseloco_h4_2bit_ortho_adam": (8e-3, 1.6e-2, 3.2e-2)}
+SWEEPS["olmo2_ft_10x_nodes"] = SWEEPS["olmo2_ft_10x"] | dict.fromkeys(
+    ("sparseloco_h4_2bit_ortho_adam", "sparseloco_h5_2bit_ortho_adam"), (8e-3, 1.6e-2, 3.2e-2)
+)
 
 
 # model: (script, its flags); "{base}" is the study's pretrained base model (olmo2_ft).
