@@ -194,3 +194,16 @@ def test_a_study_cut_short_by_its_time_budget_resumes_where_it_stopped(tmp_path,
     assert calls[3:] == [
         ("demo_ortho_adam", 2e-3, 0), ("demo_ortho_adam", 4e-3, 0), ("adamw_hsdp", 1e-3, 1), ("demo_ortho_adam", 2e-3, 1)
     ]  # fmt: skip
+
+
+def test_real_node_runs_without_their_own_adamw_are_measured_against_the_simulated_one():
+    from time_to_loss import borrow_baseline
+
+    table = {
+        ("olmo2_ft_10x", "adamw_hsdp"): {"loss_mean": 4.0, "vs_adamw": 0.0},
+        ("olmo2_ft_10x_nodes", "none_ortho_adam"): {"loss_mean": 3.9},
+        ("olmo2_10x_nodes", "none_ortho_adam"): {"loss_mean": 5.0},  # another model: left alone
+    }
+    borrow_baseline(table, {"olmo2_ft_10x", "olmo2_ft_10x_nodes"})
+    assert table[("olmo2_ft_10x_nodes", "none_ortho_adam")]["vs_adamw"] == pytest.approx(-0.025)
+    assert "vs_adamw" not in table[("olmo2_10x_nodes", "none_ortho_adam")]
