@@ -838,8 +838,7 @@ def whole_optimizer_setting_in_group(group: dict[str, Any]) -> str | None:
     """The refusal of a setting that holds for the whole optimizer (``outer_momentum``, ``scheme``, ...) given in a
     parameter group, which ``torch.optim`` would keep there unread; None if the group has none. Keys that are no
     setting at all (a group's ``name``, say) stay the user's, as torch allows."""
-    settings = {field.name for field in dataclasses.fields(FlexDeMoConfig)} - set(GROUP_KEYS) - {"params"}
-    given = sorted(settings & set(group))
+    given = sorted(set(FlexDeMoConfig.field_names()).difference(GROUP_KEYS).intersection(group))
     if not given:
         return None
     key = given[0]
