@@ -32,6 +32,12 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
     return 1
 
 
+def scaled_topk(topk: int, tile_size: int, chunk: int) -> int:
+    """``topk``'s share of a ``chunk x chunk`` tile in a tile of ``tile_size``, to the nearest, at least 1."""
+    area = chunk * chunk
+    return max(1, min(tile_size, (2 * topk * tile_size + area) // (2 * area)))
+
+
 def index_dtype_for(tile_size: int) -> torch.dtype:
     """The smallest integer dtype that holds every position in a tile of ``tile_size``."""
     if tile_size <= 2**8:
@@ -204,10 +210,10 @@ class ChunkPlan:
     tile_rows: int
     tile_cols: int
     k: int
-    """Coefficients kept per tile: ``min(topk, tile_size)``."""
+    """Coefficients kept per tile: ``min(topk, tile_size)``, or with ``scale_topk`` topk's share of a full tile."""
 
     @classmethod
-    def for_shape(cls, shape: Sequence[int], chunk: int, topk: int) -> ChunkPlan:
+    def for_shape(cls, shape: Sequence[int], chunk: int, topk: int, scale_topk: bool = False) -> ChunkPlan:
         if len(shape) == 0:
             rows, cols = 1, 1
         elif len(shape) == 1:
@@ -216,7 +222,9 @@ class ChunkPlan:
             rows, cols = shape[0], math.prod(shape[1:])
         tile_rows = largest_divisor_at_most(rows, chunk)
         tile_cols = largest_divisor_at_most(cols, chunk)
-        return cls(rows, cols, tile_rows, tile_cols, min(topk, tile_rows * tile_cols))
+        tile_size = tile_rows * tile_cols
+        k = scaled_topk(topk, tile_size, chunk) if scale_topk else min(topk, tile_size)
+        return cls(rows, cols, tile_rows, tile_cols, k)
 
     def stacked(self, count: int) -> ChunkPlan:
         """The plan of ``count`` such tensors stacked by rows (a bucket): the same tiles, one tensor's after

@@ -166,6 +166,15 @@ class ReplicationSettings:
     )
     topk: int = field(default=32, metadata={"help": "DCT coefficients sent per tile (demo)."})
     chunk: int = field(default=64, metadata={"help": "Largest tile side of the chunked DCT (demo)."})
+    scale_topk: bool = field(
+        default=False,
+        metadata={
+            "help": "demo, sparseloco: a tile smaller than chunk x chunk (a side that chunk does not divide, an "
+            "FSDP shard's, a 1-D tensor's) keeps topk x its area / (chunk x chunk) coefficients, at least 1, "
+            "instead of topk: every tile sends the same share, so the bytes do not depend on the model's sides. "
+            "Off: topk per tile (at most the tile)."
+        },
+    )
     decode: str = field(
         default="selected",
         metadata={"help": "demo: average a coefficient over the replicas that sent it ('selected') or all ('mean')."},
@@ -221,7 +230,7 @@ class ReplicationSettings:
         _check_choice("scheme", self.scheme, scheme_names())
         _check_choice("decode", self.decode, DECODE_MODES)
         _check_int("replicate_every", self.replicate_every, low=1)
-        for name in ("overlap", "shared_indices"):
+        for name in ("overlap", "shared_indices", "scale_topk"):
             _check_bool(name, getattr(self, name))
         _check_float("rate", self.rate, low=0.0, high=1.0, low_open=True)
         _check_int("seed", self.seed, low=0)
@@ -505,6 +514,11 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
                 f"FlexDeMo: pack_indices=True applies to the top-k schemes {schemes_where('top_k')}, which send "
                 f"indices; scheme={self.scheme!r} sends none, so it would be ignored; drop pack_indices."
             )
+        if self.scale_topk and not self.traits.top_k:
+            raise ValueError(
+                f"FlexDeMo: scale_topk=True scales the per-tile top-k of the schemes {schemes_where('top_k')}; "
+                f"scheme={self.scheme!r} picks no top-k, so it would be ignored; drop scale_topk."
+            )
         if self.overlap and not self.traits.per_step:
             raise ValueError(
                 f"FlexDeMo: overlap=True applies to the per-step schemes {schemes_where('per_step')}, not to "
@@ -676,7 +690,8 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
             keys += ["factor_rank"] if traits.low_rank else []
             keys += ["value_dtype"] if traits.sends and not self.value_bits else []
             keys += ["replicate_every"] if traits.sends else []
-        keys += [key for key in ("overlap", "value_bits", "pack_indices", "shared_indices") if getattr(self, key)]
+        flags = ("scale_topk", "overlap", "value_bits", "pack_indices", "shared_indices")
+        keys += [key for key in flags if getattr(self, key)]
         keys += ["index_coding"] if self.index_coding != "fixed" else []
         keys += ["derived_topk"] if self.derived_topk is not None else []
         if self.rounding != "nearest":

@@ -21,6 +21,7 @@ from hf_flexdemo.compression import (
     pack_bits,
     packed_nbytes,
     quantize_tiles,
+    scaled_topk,
     select_topk,
     tiles,
     to_coefficients,
@@ -45,6 +46,27 @@ def test_plan_tiles_every_shape_exactly(shape):
     assert plan.tile_rows <= 8 and plan.tile_cols <= 8
     assert plan.n_tiles * plan.tile_size == numel
     assert plan.k == min(4, plan.tile_size)
+
+
+@pytest.mark.parametrize(
+    "shape, k",
+    [
+        ((128, 128), 128),
+        ((64, 128), 64),
+        ((32, 4), 1),
+        ((128,), 1),
+        ((100, 384), 100),
+        ((100, 100), 78),
+        ((3, 64), 2),
+        ((96, 256), 96),
+    ],
+)
+def test_scaled_topk_keeps_topks_share_of_a_full_tile(shape, k):
+    """``scale_topk``: top 128 of a 128 x 128 tile is 1 in 128, and a smaller tile keeps that share (at least 1);
+    unscaled, every tile keeps 128 (at most itself)."""
+    plan = ChunkPlan.for_shape(shape, chunk=128, topk=128, scale_topk=True)
+    assert plan.k == k == scaled_topk(128, plan.tile_size, 128)
+    assert ChunkPlan.for_shape(shape, chunk=128, topk=128).k == min(128, plan.tile_size)
 
 
 def test_plan_for_empty_shard():

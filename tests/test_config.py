@@ -84,6 +84,10 @@ BAD = [
     (dict(scheme="lowrank", value_bits=4, value_dtype="fp16"), "value_dtype='fp16'", "drop it"),
     # the scheme's own refusal of value_bits speaks first: it is what to change
     (dict(scheme="random", value_bits=2, value_dtype="bf16"), "value_bits=2", "use value_dtype='bf16'"),
+    # a tile's share of the top-k: only the top-k schemes pick one
+    (dict(scheme="lowrank", scale_topk=True), "scale_topk=True", "scheme='lowrank' picks no top-k"),
+    (dict(scheme="full", scale_topk=True), "scale_topk=True", "drop scale_topk"),
+    (dict(scale_topk="yes"), "scale_topk='yes'", "True or False"),
 ]
 
 
@@ -246,6 +250,8 @@ def test_a_fraction_with_a_zero_denominator_is_refused_clearly():
         (dict(value_bits=2), ["value_bits", "replicate_every"], ["value_dtype"]),  # codes: no value dtype
         (dict(scheme="sparseloco", value_bits=2), ["value_bits", "outer_momentum"], ["value_dtype", "decay"]),
         (dict(value_dtype="bf16"), ["value_dtype"], ["value_bits"]),
+        (dict(scale_topk=True), ["topk", "chunk", "scale_topk"], ["rate"]),
+        (dict(), ["topk"], ["scale_topk"]),
     ],
 )
 def test_a_summary_lists_the_settings_that_act(kwargs, acting, ignored):

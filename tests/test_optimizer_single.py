@@ -214,6 +214,46 @@ def test_elias_fano_indices_take_9_bits_each_for_top_32_of_64x64_tiles_and_chang
     assert torch.equal(*ends)
 
 
+SCALED_SHAPES = [(128, 128), (64, 128), (32, 128)]
+"""At top 128 of 128 x 128 tiles, ``scale_topk`` keeps 128, 64 and 32 of these; unscaled, 128 of each."""
+
+
+def test_scale_topk_sends_each_smaller_tile_topks_share_of_a_full_tile():
+    """Every tile sends 1 coefficient in 128: the bytes of 2 simulated replicas (float32 values, 16-bit indices)."""
+    sent = {}
+    for scale in (False, True):
+        params = [
+            torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+            for shape in SCALED_SHAPES
+        ]
+        opt = FlexDeMo(params, chunk=128, topk=128, scale_topk=scale, simulate_replicas=2)
+        for replica in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(replica + 1))
+            if replica == 0:
+                opt.next_replica()
+        opt.step()
+        sent[scale] = opt.last_step_stats.bytes_sent
+    assert sent == {False: 3 * 128 * 6, True: (128 + 64 + 32) * 6}
+
+
+def test_scale_topk_scales_sparselocos_top_k_too():
+    """SparseLoCo picks entries, not coefficients: an outer step at ``outer_lr=1`` moves exactly the ones sent."""
+    moved = {}
+    for scale in (False, True):
+        params = [
+            torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+            for shape in SCALED_SHAPES
+        ]
+        anchors = [p.detach().clone() for p in params]
+        opt = FlexDeMo(params, scheme="sparseloco", inner_steps=1, outer_lr=1.0, chunk=128, topk=128, scale_topk=scale)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1))
+        opt.step()
+        moved[scale] = [int((anchor != p.detach()).sum()) for anchor, p in zip(anchors, params)]
+    assert moved == {False: [128, 128, 128], True: [128, 64, 32]}
+
+
 def test_replicate_every_accumulates_without_moving_parameters():
     params = make_params()
     opt = FlexDeMo(params, **small(replicate_every=3, weight_decay=0.0))
@@ -455,9 +495,12 @@ def test_derived_positions_send_values_without_indices_then_follow_the_decoded_u
     payload = opt.scheme.local_step(bucket, StepContext(step=1, replicate=True, replicas=1))
     codes, scale, *top4 = payload  # no indices for the derived set: 64 one-bit codes and a scale per tile
     assert codes.numel() == 2 * 64 // 8 and scale.shape == (2,) and scale.dtype == torch.float32
-    assert sum(t.numel() * t.element_size() for t in top4) == sum(
-        t.numel() * t.element_size() for t in EliasFano(4, 4096).encode(torch.arange(4).repeat(2, 1))
-    ) + 1 + 2 * 4  # four 1-bit codes per tile, packed (2 tiles: one byte), and a scale each
+    assert (
+        sum(t.numel() * t.element_size() for t in top4)
+        == sum(t.numel() * t.element_size() for t in EliasFano(4, 4096).encode(torch.arange(4).repeat(2, 1)))
+        + 1
+        + 2 * 4
+    )  # four 1-bit codes per tile, packed (2 tiles: one byte), and a scale each
 
 
 def test_lowrank_sends_one_side_of_the_factors_and_alternates_from_the_average():

@@ -39,6 +39,11 @@ TILE_STATE = "dct_tiles"
 """Per-rank (tile_rows, tile_cols) the coefficients were computed with."""
 
 
+def tile_plan(shape: torch.Size, group: dict, config: FlexDeMoConfig, topk: int | None = None) -> ChunkPlan:
+    """How one tensor of local ``shape`` is tiled under ``group``'s chunk, keeping ``topk`` (the group's if unset)."""
+    return ChunkPlan.for_shape(shape, group["chunk"], group["topk"] if topk is None else topk, config.scale_topk)
+
+
 class DeMoScheme(MomentumScheme):
     name = "demo"
     collective = Collective.ALL_GATHER
@@ -69,15 +74,13 @@ class DeMoScheme(MomentumScheme):
                 "Resume with the same number of processes per node (the same FSDP shards) as the checkpoint."
             )
 
-    @staticmethod
-    def tensor_plan(shape: torch.Size, group: dict) -> ChunkPlan:
+    def tensor_plan(self, shape: torch.Size, group: dict) -> ChunkPlan:
         """How one tensor of local ``shape`` is tiled."""
-        return ChunkPlan.for_shape(shape, group["chunk"], group["topk"])
+        return tile_plan(shape, group, self.config)
 
-    @classmethod
-    def plan(cls, bucket: Bucket) -> ChunkPlan:
+    def plan(self, bucket: Bucket) -> ChunkPlan:
         """The bucket's tensors stacked by rows: each keeps its own tiles."""
-        return cls.tensor_plan(bucket.shape, bucket.group).stacked(bucket.count)
+        return self.tensor_plan(bucket.shape, bucket.group).stacked(bucket.count)
 
     def accumulate(self, bucket: Bucket) -> torch.Tensor:
         """``Q = decay * Q + lr * DCT(grad)``; returns ``Q`` as a ``(rows, cols)`` view of the stack."""

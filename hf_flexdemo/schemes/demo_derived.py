@@ -43,7 +43,7 @@ from ..compression import (
     unpack_bits,
 )
 from .base import Decoded, StepContext
-from .demo import DeMoScheme
+from .demo import DeMoScheme, tile_plan
 
 SCORE = "derived_score"
 """Laid out like the parameter's coefficients: a decaying sum of the decoded updates' magnitudes."""
@@ -64,7 +64,7 @@ class DerivedIndexDeMoScheme(DeMoScheme):
 
     def derived_plan(self, bucket: Bucket) -> ChunkPlan:
         """The derived set's tiling: DeMo's tiles, ``derived_topk`` positions each (at most the tile)."""
-        return ChunkPlan.for_shape(bucket.shape, bucket.group["chunk"], self.config.derived_topk).stacked(bucket.count)
+        return tile_plan(bucket.shape, bucket.group, self.config, self.config.derived_topk).stacked(bucket.count)
 
     def score(self, bucket: Bucket) -> torch.Tensor:
         """The ``(rows, cols)`` score of the stack; at first a ramp that prefers each tile's lowest frequencies."""

@@ -31,7 +31,7 @@ from ..compression import ChunkPlan, decode_replicas, flat_positions, select_top
 from ..config import FlexDeMoConfig
 from ..scheme_traits import SchemeTraits
 from .base import Collective, StepContext
-from .demo import DeMoScheme
+from .demo import tile_plan
 from .diloco import DiLoCoScheme
 from .momentum import momentum_dtype
 from .sparse_wire import TopKWire
@@ -56,9 +56,8 @@ class SparseLoCoScheme(DiLoCoScheme):
         bucket.per_replica(ERROR_FEEDBACK, momentum_dtype(bucket.slots[0].param))
         bucket.scalars("last_outer_step", torch.int64)
 
-    @staticmethod
-    def plan(bucket: Bucket) -> ChunkPlan:
-        return DeMoScheme.plan(bucket)
+    def plan(self, bucket: Bucket) -> ChunkPlan:
+        return tile_plan(bucket.shape, bucket.group, self.config).stacked(bucket.count)
 
     def local_step(self, bucket: Bucket, ctx: StepContext) -> list[torch.Tensor]:
         if not ctx.replicate:

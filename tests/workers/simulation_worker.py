@@ -29,6 +29,10 @@ CONFIGS = {
 codes its indices in Elias-Fano). The presets keep their own top-k on the default 64 x 64 tiles."""
 CONFIGS["default_derived"] = dict(SMALL, derived_topk=8, value_bits=1, pack_indices=True, index_coding="elias_fano")
 """The default rule with positions every replica derives (``derived_topk``) beside the top 4."""
+CONFIGS["default_scaled"] = dict(
+    SMALL, topk=16, scale_topk=True, value_bits=2, pack_indices=True, index_coding="elias_fano"
+)
+"""The default rule with a smaller tile keeping its share of the top 16 of 8 x 8 (``scale_topk``)."""
 CONFIGS["default_lowrank"] = dict(scheme="lowrank", factor_rank=2, value_bits=1)
 """The default rule on one side of rank-2 factors at 1 bit (``scheme='lowrank'``)."""
 
