@@ -376,8 +376,17 @@ def run_optimizer(kernels: str, dtype: torch.dtype, steps: int = 5, **settings):
         (torch.bfloat16, dict(update="sign", sign=False)),
         (torch.float32, dict(update="orthogonal", ns_dtype="float32", elementwise=[])),
         (torch.bfloat16, dict(ns_dtype="float32")),  # the default rule: orthogonal, adam for the 1-D parameters
+        (torch.float32, dict(update="sign", scale_topk=True, value_bits=2, pack_indices=True)),  # k: 8, 1, 1, 1
     ],
-    ids=["sign-fp32", "sign-bf16-every2", "sign-2bit-stochastic", "sign_false-bf16", "orthogonal", "default-bf16"],
+    ids=[
+        "sign-fp32",
+        "sign-bf16-every2",
+        "sign-2bit-stochastic",
+        "sign_false-bf16",
+        "orthogonal",
+        "default-bf16",
+        "sign-2bit-scaled",
+    ],
 )
 def test_flexdemo_with_triton_kernels_follows_torch_over_five_steps(dtype, settings):
     """One process: the encode kernel under every rule, the sign rule's decode kernel; 5 steps.
