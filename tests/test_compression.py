@@ -58,12 +58,14 @@ def test_plan_tiles_every_shape_exactly(shape):
         ((100, 384), 100),
         ((100, 100), 78),
         ((3, 64), 2),
+        ((5, 64), 3),
+        ((4, 4), 1),
         ((96, 256), 96),
     ],
 )
 def test_scaled_topk_keeps_topks_share_of_a_full_tile(shape, k):
-    """``scale_topk``: top 128 of a 128 x 128 tile is 1 in 128, and a smaller tile keeps that share (at least 1);
-    unscaled, every tile keeps 128 (at most itself)."""
+    """``scale_topk``: top 128 of a 128 x 128 tile is 1 in 128, and a smaller tile keeps that share, rounded half up
+    (2.5 of (5, 64) to 3, where Python's round gives 2), at least 1; unscaled, every tile keeps 128 (at most itself)."""
     plan = ChunkPlan.for_shape(shape, chunk=128, topk=128, scale_topk=True)
     assert plan.k == k == scaled_topk(128, plan.tile_size, 128)
     assert ChunkPlan.for_shape(shape, chunk=128, topk=128).k == min(128, plan.tile_size)

@@ -63,6 +63,18 @@ def test_one_replica_matches_the_reference(scheme, sign):
         torch.testing.assert_close(p.detach(), q, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("update", ["sign", "orthogonal"])
+def test_scaled_topk_matches_the_reference(update):
+    """``scale_topk`` on tiles of 4 x 4 and smaller (top 6 of 16: a 3 x 4 tile keeps 5, 4.5 rounded up, and a 1 x 3
+    one 1): the decoded updates as the reference computes them, with its own count per tile."""
+    params, opt, ref = run_with_reference(scheme="demo", update=update, topk=6, scale_topk=True)
+    _, unscaled, _ = run_with_reference(scheme="demo", update=update, topk=6)
+    atol = 1e-6 if update == "orthogonal" else 1e-12
+    for p, q in zip(params, ref.params[0]):
+        torch.testing.assert_close(p.detach(), q, atol=atol, rtol=0)
+    assert not all(torch.equal(p, q) for p, q in zip(params, unscaled.param_groups[0]["params"]))
+
+
 @pytest.mark.parametrize("ns_steps", [3, 4])
 def test_fewer_newton_schulz_steps_match_the_reference(ns_steps):
     params, opt, ref = run_with_reference(scheme="demo", ns_steps=ns_steps)
@@ -218,15 +230,27 @@ SCALED_SHAPES = [(128, 128), (64, 128), (32, 128)]
 """At top 128 of 128 x 128 tiles, ``scale_topk`` keeps 128, 64 and 32 of these; unscaled, 128 of each."""
 
 
-def test_scale_topk_sends_each_smaller_tile_topks_share_of_a_full_tile():
-    """Every tile sends 1 coefficient in 128: the bytes of 2 simulated replicas (float32 values, 16-bit indices)."""
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({}, {False: 3 * 128 * 6, True: (128 + 64 + 32) * 6}),  # float32 values, 16-bit indices
+        (dict(shared_indices=True), {False: 3 * 128 * 8, True: (128 + 64 + 32) * 8}),  # float32 values and positions
+        # 256 derived positions (values only) and the top 4 beside them, each scaled: 256, 128, 64 and 4, 2, 1
+        (dict(derived_topk=256, topk=4), {False: 3 * 256 * 4 + 3 * 4 * 6, True: 448 * 4 + 7 * 6}),
+    ],
+    ids=["demo", "shared_indices", "derived_topk"],
+)
+def test_scale_topk_sends_each_smaller_tile_topks_share_of_a_full_tile(settings, expected):
+    """Every tile sends the same share of its coefficients: the bytes of 2 simulated replicas."""
     sent = {}
     for scale in (False, True):
         params = [
             torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
             for shape in SCALED_SHAPES
         ]
-        opt = FlexDeMo(params, chunk=128, topk=128, scale_topk=scale, simulate_replicas=2)
+        opt = FlexDeMo(
+            params, **{"chunk": 128, "topk": 128, **settings}, scale_topk=scale, simulate_replicas=2, elementwise=[]
+        )
         for replica in range(2):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(replica + 1))
@@ -234,7 +258,7 @@ def test_scale_topk_sends_each_smaller_tile_topks_share_of_a_full_tile():
                 opt.next_replica()
         opt.step()
         sent[scale] = opt.last_step_stats.bytes_sent
-    assert sent == {False: 3 * 128 * 6, True: (128 + 64 + 32) * 6}
+    assert sent == expected
 
 
 def test_scale_topk_scales_sparselocos_top_k_too():

@@ -33,13 +33,13 @@ from hf_flexdemo.schemes.sparse_wire import TopKWire
 GRAD_BYTES = 2  # bf16 gradients, as a bf16 run sends them in HSDP's all-reduce
 
 
-def preset_bytes(shapes: list[torch.Size], preset: str, chunk: int = 64) -> int:
+def preset_bytes(shapes: list[torch.Size], preset: str) -> int:
     """Bytes one node sends per step with ``wire=preset`` (every parameter, one replica's payload)."""
-    config = FlexDeMoConfig(wire=preset, chunk=chunk)
+    config = FlexDeMoConfig(wire=preset)
     wire = TopKWire(config)
     total = 0
     for shape in shapes:
-        plan = ChunkPlan.for_shape(shape, chunk, config.topk)
+        plan = ChunkPlan.for_shape(shape, config.chunk, config.topk, config.scale_topk)
         if plan.n_tiles == 0:
             continue
         indices = torch.zeros(plan.n_tiles, plan.k, dtype=torch.int64)

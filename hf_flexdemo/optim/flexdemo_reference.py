@@ -166,6 +166,8 @@ class FlexDeMoReference:
         for r0, c0, a, b in _tiles(rows, cols, hp["chunk"]):
             left, right = _dct(a, mats[0].dtype), _dct(b, mats[0].dtype)
             k = min(hp["topk"], a * b)
+            if hp.get("scale_topk"):  # topk's share of a full tile, rounded half up, at least 1
+                k = max(1, math.floor(hp["topk"] * a * b / hp["chunk"] ** 2 + 0.5))
             sums = torch.zeros(a * b, dtype=mats[0].dtype)
             counts = torch.zeros(a * b, dtype=mats[0].dtype)
             for r in range(R):

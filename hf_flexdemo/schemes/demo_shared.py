@@ -68,7 +68,8 @@ class SharedIndexDeMoScheme(DeMoScheme):
             raise RuntimeError(
                 f"FlexDeMo: the shared index set of a parameter of local shape {tuple(slot.param.shape)} holds "
                 f"{int(per_tile.max())} positions per tile, but this run sends {plan.k} (topk={slot.group['topk']}, "
-                "at most a whole tile). Resume with the topk and chunk the checkpoint was saved with."
+                f"scale_topk={self.config.scale_topk}). Resume with the topk, chunk and scale_topk the checkpoint was "
+                "saved with."
             )
 
     def mask(self, bucket: Bucket) -> torch.Tensor:

@@ -53,4 +53,6 @@ class AdamRule(UpdateRule):
             # Each parameter's own count (equal within a bucket unless a checkpoint says otherwise).
             correction = (1 - torch.pow(beta2, t)).to(v.dtype)
             step = adam_stepper(self.kernels_for(bucket))
-            step(bucket.params, item.update, v, correction, lr=lr, beta2=beta2, eps=bucket.group["eps"], decay=item.decay)
+            step(
+                bucket.params, item.update, v, correction, lr=lr, beta2=beta2, eps=bucket.group["eps"], decay=item.decay
+            )
