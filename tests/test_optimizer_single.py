@@ -261,6 +261,19 @@ def test_scale_topk_sends_each_smaller_tile_topks_share_of_a_full_tile(settings,
     assert sent == expected
 
 
+def test_a_shared_index_set_resumed_with_another_scale_topk_is_refused_naming_it():
+    """The saved set holds 128 positions in each (64, 128) tile; scaled, this run would send 64."""
+    params = [torch.nn.Parameter(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)))]
+    settings = dict(chunk=128, topk=128, shared_indices=True, elementwise=[])
+    opt = FlexDeMo(params, **settings)
+    params[0].grad = torch.ones(64, 128)
+    opt.step()
+    resumed = FlexDeMo(params, **settings, scale_topk=True)
+    resumed.load_state_dict(opt.state_dict())
+    with pytest.raises(RuntimeError, match=r"holds 128 positions per tile, but this run sends 64 .*scale_topk=True"):
+        resumed.step()
+
+
 def test_scale_topk_scales_sparselocos_top_k_too():
     """SparseLoCo picks entries, not coefficients: an outer step at ``outer_lr=1`` moves exactly the ones sent."""
     moved = {}
