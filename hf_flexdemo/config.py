@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .compression import DECODE_MODES, VALUE_BITS
-from .kernels import KERNELS
+from .kernels import KERNELS, MAX_TILE_SIDE
 from .kernels import check_settings as check_kernel_settings
 from .scheme_traits import SchemeTraits, scheme_names, schemes_where, traits_of
 
@@ -51,6 +51,9 @@ WIRE_PRESETS: dict[str, dict[str, Any]] = {
     "top128_4bit": _packed(128, 4),  # 4x DeMo's coefficients in 0.94x its bytes
     "top96_2bit": _packed(96, 2),
     "2bit": _packed(32, 2),
+    # 1 coefficient in 114 (2bit: 1 in 128) on 128 x 128 tiles, every tile at that share (scale_topk): 1.03x
+    # 2bit's bytes on OLMo2-1B, each tile's top-k drawn over 4x the area with one scale
+    "top144_c128_2bit": _packed(144, 2) | {"chunk": 128, "scale_topk": True},
     "top24_2bit": _packed(24, 2),
     "top16_2bit": _packed(16, 2),
     "top4_1bit": {"topk": 4, "value_bits": 1, "pack_indices": True, "index_coding": "fixed"},  # no gain at 4
@@ -58,6 +61,15 @@ WIRE_PRESETS: dict[str, dict[str, Any]] = {
 """``wire=NAME``: the measured wire formats, from DeMo's own (fp32 values, 16-bit indices) to the most compressed.
 Their bytes and loss: docs/update-rules.md, "Choosing a wire format"."""
 WIRE_KNOBS = "topk, value_bits, pack_indices and index_coding"
+"""What every preset sets; a preset on larger tiles also sets ``chunk`` and ``scale_topk``."""
+
+
+def preset_knobs(name: str) -> str:
+    """``"topk, value_bits, pack_indices and index_coding"``: the settings ``wire=name`` sets, for a message."""
+    keys = list(WIRE_PRESETS[name])
+    return f"{', '.join(keys[:-1])} and {keys[-1]}"
+
+
 ROUNDINGS = ("nearest", "stochastic")
 UPDATE_RULES = ("sign", "adam", "orthogonal")
 """How the decoded update becomes a parameter step (:mod:`hf_flexdemo.updates`)."""
@@ -255,8 +267,9 @@ class WireSettings:
     wire: str | None = field(
         default=None,
         metadata={
-            "help": f"demo: a measured wire format by name, one of {sorted(WIRE_PRESETS)}; it sets {WIRE_KNOBS} "
-            "(a knob also given must agree with it). Unset: the knobs as given."
+            "help": f"demo: a measured wire format by name, one of {sorted(WIRE_PRESETS)}; it sets {WIRE_KNOBS}, "
+            "top144_c128_2bit also chunk=128 and scale_topk=True (a knob also given must agree with it). Unset: the "
+            "knobs as given."
         },
     )
     value_dtype: str = field(
@@ -543,6 +556,12 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
             )
 
     def _check_execution_against_the_rest(self) -> None:
+        if self.kernels != "torch" and "chunk" in WIRE_PRESETS.get(self.wire, {}) and self.chunk > MAX_TILE_SIDE:
+            raise ValueError(
+                f"FlexDeMo: wire={self.wire!r} tiles by chunk={self.chunk}, but kernels='triton' holds tiles of sides "
+                f"up to {MAX_TILE_SIDE}; pick a preset on 64 x 64 tiles (wire='2bit' sends about the same bytes), or "
+                "write kernels='torch'."
+            )
         if self.kernels != "torch":
             check_kernel_settings(scheme=self.scheme, shared_indices=self.shared_indices, chunk=self.chunk)
         if self.simulate_replicas == 1:
@@ -578,7 +597,7 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
             if given != defaults[key] and given != value:
                 raise ValueError(
                     f"FlexDeMo: wire={self.wire!r} sets {key}={value}, but {key}={given} is given too; drop {key} to "
-                    f"use the preset, or drop wire and set {WIRE_KNOBS} yourself."
+                    f"use the preset, or drop wire and set {preset_knobs(self.wire)} yourself."
                 )
             setattr(self, key, value)
 
@@ -770,7 +789,7 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
         if key in preset and value != preset[key]:
             raise ValueError(
                 f"FlexDeMo optim_args: wire={values['wire']} sets {key}={preset[key]}, but {key}={value} is given too; "
-                f"drop {key} to use the preset, or drop wire and set {WIRE_KNOBS} yourself."
+                f"drop {key} to use the preset, or drop wire and set {preset_knobs(values['wire'])} yourself."
             )
     return values
 

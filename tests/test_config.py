@@ -88,6 +88,8 @@ BAD = [
     (dict(scheme="lowrank", scale_topk=True), "scale_topk=True", "scheme='lowrank' picks no top-k"),
     (dict(scheme="full", scale_topk=True), "scale_topk=True", "drop scale_topk"),
     (dict(scale_topk="yes"), "scale_topk='yes'", "True or False"),
+    # a preset on 128 x 128 tiles: the fused kernels hold 64 x 64
+    (dict(wire="top144_c128_2bit", kernels="triton"), "wire='top144_c128_2bit' tiles by chunk=128", "wire='2bit'"),
 ]
 
 
@@ -278,6 +280,14 @@ def test_a_wire_preset_sets_its_knobs_and_refuses_a_knob_that_disagrees():
         FlexDeMoConfig(wire="2bit", scheme="diloco")
     opt = FlexDeMo([torch.nn.Parameter(torch.zeros(64, 64))], wire="top4_1bit", elementwise=[])
     assert opt.param_groups[0]["topk"] == 4 and opt.config.value_bits == 1 and opt.config.pack_indices
+    # A preset on 128 x 128 tiles sets the tiles and their share too, and names them when a knob disagrees.
+    opt = FlexDeMo([torch.nn.Parameter(torch.zeros(64, 64))], wire="top144_c128_2bit", elementwise=[])
+    assert (opt.param_groups[0]["chunk"], opt.param_groups[0]["topk"], opt.config.scale_topk) == (128, 144, True)
+    knobs = "topk, value_bits, pack_indices, index_coding, chunk and scale_topk yourself"
+    with pytest.raises(ValueError, match=rf"sets chunk=128, but chunk=64 is given too; .*set {knobs}"):
+        parse_optim_args("wire=top144_c128_2bit,chunk=64")
+    with pytest.raises(ValueError, match=rf"sets scale_topk=True, but scale_topk=False is given too; .*set {knobs}"):
+        parse_optim_args("wire=top144_c128_2bit,scale_topk=false")
 
 
 def test_every_setting_belongs_to_one_group_and_each_group_checks_its_own_values():

@@ -40,6 +40,7 @@ PRESET_CONFIGS = {  # wire= preset: the study's configuration with the default r
     "top128_4bit": "demo_top128_4bit_ef_ortho_adam",
     "top96_2bit": "demo_top96_2bit_ortho_adam",
     "2bit": "demo_2bit_ortho_adam",
+    "top144_c128_2bit": "demo_top144_chunk128_2bit_ef_scaled_ortho_adam",
     "top24_2bit": "demo_top24_2bit_ortho_adam",
     "top16_2bit": "demo_top16_2bit_ortho_adam",
     "top4_1bit": "demo_aggressive_ortho_adam",
