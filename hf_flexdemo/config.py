@@ -589,7 +589,7 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
         if not self.traits.dct:
             raise ValueError(
                 f"FlexDeMo: wire={self.wire!r} names a format of scheme='demo', not scheme={self.scheme!r}; drop wire, "
-                f"or set the scheme's own knobs ({WIRE_KNOBS})."
+                f"or set the scheme's own knobs ({preset_knobs(self.wire)})."
             )
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for key, value in WIRE_PRESETS[self.wire].items():
@@ -739,6 +739,7 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
                 f"FlexDeMo: {unknown[0]!r} is no setting{hint}. The settings are the fields of FlexDeMoConfig "
                 f"(docs/settings.md): {sorted(cls.field_names())}; mesh, replicate_dim and elementwise besides."
             )
+        check_knobs_beside_wire(settings, "FlexDeMo")
         return cls(**settings)
 
     @classmethod
@@ -784,14 +785,20 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
             )
         given[key] = raw
         values[key] = _parse_value(key, raw, _typed_default(known[key]))
-    preset = WIRE_PRESETS.get(values.get("wire"), {})
-    for key, value in values.items():  # given in the text: refused even at its default, unlike FlexDeMo(...)'s
+    check_knobs_beside_wire(values, "FlexDeMo optim_args")
+    return values
+
+
+def check_knobs_beside_wire(given: dict[str, Any], where: str) -> None:
+    """A knob given beside ``wire`` must be the preset's, even at its default: given, it was meant."""
+    wire = given.get("wire")
+    preset = WIRE_PRESETS.get(wire, {})
+    for key, value in given.items():
         if key in preset and value != preset[key]:
             raise ValueError(
-                f"FlexDeMo optim_args: wire={values['wire']} sets {key}={preset[key]}, but {key}={value} is given too; "
-                f"drop {key} to use the preset, or drop wire and set {preset_knobs(values['wire'])} yourself."
+                f"{where}: wire={wire!r} sets {key}={preset[key]}, but {key}={value} is given too; drop {key} to use "
+                f"the preset, or drop wire and set {preset_knobs(wire)} yourself."
             )
-    return values
 
 
 def _unknown_key_message(key: str, raw: str) -> str:

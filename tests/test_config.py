@@ -271,8 +271,11 @@ def test_a_wire_preset_sets_its_knobs_and_refuses_a_knob_that_disagrees():
     with pytest.raises(ValueError, match=r"wire='top16_2bit' sets topk=16, but topk=24 is given too; drop topk"):
         FlexDeMoConfig(wire="top16_2bit", topk=24)
     # In optim_args a knob given at its default is still given: refused, not silently replaced.
-    with pytest.raises(ValueError, match=r"wire=top16_2bit sets topk=16, but topk=32 is given too"):
+    with pytest.raises(ValueError, match=r"wire='top16_2bit' sets topk=16, but topk=32 is given too"):
         parse_optim_args("wire=top16_2bit,topk=32")
+    # So in FlexDeMo(...)'s keywords: written beside the preset, a default value was meant, not to be replaced.
+    with pytest.raises(ValueError, match=r"FlexDeMo: wire='top16_2bit' sets topk=16, but topk=32 is given too"):
+        FlexDeMo([torch.nn.Parameter(torch.zeros(4))], wire="top16_2bit", topk=32)
     allowed = r"wire must be one of \('demo', 'top128_4bit', 'top96_2bit', '2bit'"
     with pytest.raises(ValueError, match=r"wire='fast' is invalid; " + allowed):
         FlexDeMoConfig(wire="fast")
@@ -288,6 +291,8 @@ def test_a_wire_preset_sets_its_knobs_and_refuses_a_knob_that_disagrees():
         parse_optim_args("wire=top144_c128_2bit,chunk=64")
     with pytest.raises(ValueError, match=rf"sets scale_topk=True, but scale_topk=False is given too; .*set {knobs}"):
         parse_optim_args("wire=top144_c128_2bit,scale_topk=false")
+    with pytest.raises(ValueError, match=rf"FlexDeMo: wire='top144_c128_2bit' sets chunk=128, but chunk=64 .*{knobs}"):
+        FlexDeMo([torch.nn.Parameter(torch.zeros(4))], wire="top144_c128_2bit", chunk=64)
 
 
 def test_every_setting_belongs_to_one_group_and_each_group_checks_its_own_values():

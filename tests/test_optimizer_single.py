@@ -274,6 +274,25 @@ def test_a_shared_index_set_resumed_with_another_scale_topk_is_refused_naming_it
         resumed.step()
 
 
+@pytest.mark.parametrize("scheme", ["demo", "sparseloco"])
+def test_a_checkpoint_resumed_with_other_tiles_is_refused_not_trained_on_the_saved_ones(scheme):
+    """torch restores the saved groups' chunk and topk: a run resumed with another preset would silently keep them."""
+    params = [torch.nn.Parameter(torch.randn(128, 128, generator=torch.Generator().manual_seed(0)))]
+    opt = FlexDeMo(params, scheme=scheme, wire="2bit" if scheme == "demo" else None, elementwise=[])
+    params[0].grad = torch.ones(128, 128)
+    opt.step()
+    saved = opt.state_dict()
+    if scheme == "demo":
+        resumed = FlexDeMo(params, wire="top144_c128_2bit", elementwise=[])
+        message = r"group 0 with chunk=64, topk=32, but this run sets chunk=128, topk=144 \(wire='top144_c128_2bit'\)"
+    else:
+        resumed = FlexDeMo(params, scheme=scheme, topk=16, elementwise=[])
+        message = r"group 0 with chunk=64, topk=32, but this run sets chunk=64, topk=16; torch would restore"
+    with pytest.raises(ValueError, match=message):
+        resumed.load_state_dict(saved)
+    FlexDeMo(params, scheme=scheme, wire="2bit" if scheme == "demo" else None, elementwise=[]).load_state_dict(saved)
+
+
 def test_scale_topk_scales_sparselocos_top_k_too():
     """SparseLoCo picks entries, not coefficients: an outer step at ``outer_lr=1`` moves exactly the ones sent."""
     moved = {}

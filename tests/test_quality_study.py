@@ -9,7 +9,7 @@ from support.launch import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "quality"))
 
-from quality_study import CONFIGS, PRESETS, SWEEPS, modelled_step, summarize  # noqa: E402
+from quality_study import CONFIGS, PRESETS, SWEEPS, WIRE_PROBES, modelled_step, summarize  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -184,7 +184,13 @@ def test_a_study_cut_short_by_its_time_budget_resumes_where_it_stopped(tmp_path,
     monkeypatch.setattr(quality_study.time, "time", lambda: clock[0])
     configs = ["adamw_hsdp", "demo_ortho_adam"]
     args = argparse.Namespace(
-        model="olmo2_10x", configs=configs, out=tmp_path, steps=10, batch=0, seeds=[0, 1], time_budget=250,
+        model="olmo2_10x",
+        configs=configs,
+        out=tmp_path,
+        steps=10,
+        batch=0,
+        seeds=[0, 1],
+        time_budget=250,
         rates={"adamw_hsdp": (1e-3, 2e-3, 4e-3), "demo_ortho_adam": (2e-3, 4e-3)},
     )
     assert not quality_study.study(args)  # runs started at 0, 100 and 200 s; none after 250 s
@@ -207,3 +213,10 @@ def test_real_node_runs_without_their_own_adamw_are_measured_against_the_simulat
     borrow_baseline(table, {"olmo2_ft_10x", "olmo2_ft_10x_nodes"})
     assert table[("olmo2_ft_10x_nodes", "none_ortho_adam")]["vs_adamw"] == pytest.approx(-0.025)
     assert "vs_adamw" not in table[("olmo2_10x_nodes", "none_ortho_adam")]
+
+
+def test_the_measured_probe_is_the_shipped_presets_knobs():
+    """BENCHMARKS measured ``wire=top144_c128_2bit`` as this probe: the two must stay the same settings."""
+    from hf_flexdemo.config import WIRE_PRESETS, parse_optim_args
+
+    assert parse_optim_args(WIRE_PROBES["demo_top144_chunk128_2bit_ef_scaled"]) == WIRE_PRESETS["top144_c128_2bit"]

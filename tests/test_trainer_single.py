@@ -105,6 +105,16 @@ def test_orthogonal_update_leaves_embeddings_and_head_to_the_elementwise_rule(to
     assert sum(losses[-2:]) < sum(losses[:2]), losses
 
 
+def test_a_wire_preset_in_optim_args_sets_every_groups_tiles(tok, tmp_path):
+    """``wire=top144_c128_2bit`` sets chunk and topk in each group the Trainer builds (weight decay splits them)."""
+    from hf_flexdemo.optim import unwrap_flexdemo
+
+    trainer = flexdemo_llama_trainer(tok, tmp_path, rows=8, optim_args="wire=top144_c128_2bit", weight_decay=0.1)
+    opt = unwrap_flexdemo(trainer.create_optimizer())
+    assert len(opt.param_groups) >= 2 and opt.config.scale_topk and opt.config.value_bits == 2
+    assert {(g["chunk"], g["topk"]) for g in opt.param_groups} == {(128, 144)}
+
+
 @pytest.mark.lowest
 def test_an_output_dir_that_cannot_be_written_is_refused_when_the_trainer_is_built(tok, tmp_path):
     blocker = tmp_path / "a_file"

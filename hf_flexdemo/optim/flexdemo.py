@@ -33,7 +33,7 @@ from ..config import FlexDeMoConfig, decay_ignored, validate_group, whole_optimi
 from ..dtensor_utils import local_tensor
 from ..fault_tolerance.replica_state import snapshot, undo_local_step
 from ..fault_tolerance.rounds import QuorumRounds, StepRound
-from ..schemes import Collective, Decoded, StepContext, build_scheme
+from ..schemes import Collective, Decoded, StepContext, build_scheme, check_saved_tiles
 from ..simulated_replicas import ReplicaGradients, SimulatedTopology, check_simulation_layout
 from ..state_store import StateStore, StateView, keep_saved_dtypes
 from ..topology import (
@@ -645,6 +645,8 @@ class FlexDeMo(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_saved_rules(state_dict["param_groups"], self.param_groups)
+        if self.config.traits.top_k:
+            check_saved_tiles(state_dict["param_groups"], self.param_groups, self.config.wire)
         if not self.config.traits.outer_steps:  # their inner step's state is the scheme's
             check_saved_elementwise_rule(state_dict, self.param_groups, self.rules["orthogonal"].elementwise.name)
         self._pending = None  # an exchange started before loading refers to the replaced state

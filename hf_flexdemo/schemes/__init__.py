@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..config import FlexDeMoConfig
 from ..scheme_traits import scheme_class, scheme_names
 from .base import Collective, Decoded, ParamSlot, ReplicationScheme, StepContext
-from .demo import DeMoScheme
+from .demo import DeMoScheme, check_saved_tiles
 from .demo_derived import DerivedIndexDeMoScheme
 from .demo_shared import SharedIndexDeMoScheme
 from .dense import FullScheme, NoneScheme
@@ -44,4 +44,5 @@ __all__ = [
     "StepContext",
     "StridingScheme",
     "build_scheme",
+    "check_saved_tiles",
 ]

@@ -39,6 +39,24 @@ TILE_STATE = "dct_tiles"
 """Per-rank (tile_rows, tile_cols) the coefficients were computed with."""
 
 
+def check_saved_tiles(saved_groups: list[dict], param_groups: list[dict], wire: str | None) -> None:
+    """torch's ``load_state_dict`` restores the saved groups' ``chunk`` and ``topk``: a run resumed with others (another
+    ``wire=`` preset) would train on the checkpoint's without a word, so it is refused, naming both."""
+    for index, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        was = {key: saved[key] for key in ("chunk", "topk") if key in saved}
+        now = {key: group[key] for key in was}
+        if was != now:
+            written = ", ".join(f"{key}={value}" for key, value in was.items())
+            asked = ", ".join(f"{key}={value}" for key, value in now.items())
+            preset = f" (wire={wire!r})" if wire else ""
+            raise ValueError(
+                f"FlexDeMo: the checkpoint trained parameter group {index} with {written}, but this run sets "
+                f"{asked}{preset}; torch would restore the checkpoint's and train on them without a word. Resume "
+                f"with the wire= preset or the {' and '.join(was)} the checkpoint was trained with, or start a new "
+                "run in another output_dir."
+            )
+
+
 def tile_plan(shape: torch.Size, group: dict, config: FlexDeMoConfig, topk: int | None = None) -> ChunkPlan:
     """How one tensor of local ``shape`` is tiled under ``group``'s chunk, keeping ``topk`` (the group's if unset)."""
     return ChunkPlan.for_shape(shape, group["chunk"], group["topk"] if topk is None else topk, config.scale_topk)
