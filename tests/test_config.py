@@ -281,6 +281,10 @@ def test_a_wire_preset_sets_its_knobs_and_refuses_a_knob_that_disagrees():
         FlexDeMoConfig(wire="fast")
     with pytest.raises(ValueError, match=r"wire='2bit' names a format of scheme='demo', not scheme='diloco'"):
         FlexDeMoConfig(wire="2bit", scheme="diloco")
+    with pytest.raises(
+        ValueError, match=r"own knobs \(topk, value_bits, pack_indices, index_coding, chunk and scale_topk"
+    ):
+        FlexDeMoConfig(wire="top144_c128_2bit", scheme="sparseloco")
     opt = FlexDeMo([torch.nn.Parameter(torch.zeros(64, 64))], wire="top4_1bit", elementwise=[])
     assert opt.param_groups[0]["topk"] == 4 and opt.config.value_bits == 1 and opt.config.pack_indices
     # A preset on 128 x 128 tiles sets the tiles and their share too, and names them when a knob disagrees.
