@@ -183,8 +183,8 @@ class ReplicationSettings:
         metadata={
             "help": "demo, sparseloco: a tile smaller than chunk x chunk (a side that chunk does not divide, an "
             "FSDP shard's, a 1-D tensor's) keeps topk x its area / (chunk x chunk) coefficients, at least 1, "
-            "instead of topk: every tile sends the same share, so the bytes do not depend on the model's sides. "
-            "Off: topk per tile (at most the tile)."
+            "instead of topk: every tile sends about the same share, so the bytes roughly follow the parameter "
+            "count whatever the model's sides. Off: topk per tile (at most the tile)."
         },
     )
     decode: str = field(
