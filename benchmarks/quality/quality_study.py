@@ -112,14 +112,15 @@ CONFIGS = {
     },
     # The same bytes per step (about 1,150x) spent as fewer coefficients more often or more coefficients less often:
     # the top 16 every 2 steps, the top 64 every 8, the top 128 every 16 (Elias-Fano indices cost a little less a
-    # coefficient as the top-k grows, so the larger ones send slightly fewer bytes)
+    # coefficient as the top-k grows, so the larger ones send slightly fewer bytes); every 9 and 12 steps divide T5's
+    # evaluations (every 36 of 360 steps), so no evaluation adds an outer step there
     **{
         f"sparseloco_h{h}_top{k}_2bit_ortho_adam": (
             "flexdemo",
             f"scheme=sparseloco,inner_steps={h},topk={k},value_bits=2,pack_indices=true,index_coding=elias_fano,"
             "update=orthogonal,elementwise_update=adam",
         )
-        for h, k in ((2, 16), (8, 64), (16, 128))
+        for h, k in ((2, 16), (8, 64), (16, 128), (9, 72), (12, 96))
     },
     # ... and the top 64 every 8 steps with the outer step's own settings moved: the whole averaged pseudo-gradient
     # (outer_lr=1, against 0.7), and less or more of the unsent part forgotten at each outer step (error feedback's
