@@ -187,6 +187,16 @@ class ReplicationSettings:
             "count whatever the model's sides. Off: topk per tile (at most the tile)."
         },
     )
+    topk_block: int = field(
+        default=1,
+        metadata={
+            "help": "demo, sparseloco: pick the top-k in square blocks of topk_block x topk_block coefficients "
+            "(entries for sparseloco), the blocks of the largest energy, every coefficient in them: one index "
+            "travels per block instead of per coefficient. topk still counts coefficients and must be a multiple "
+            "of topk_block**2. A tile side that topk_block does not divide (a 1-D tensor's) takes blocks of 1 along "
+            "it. 1: each coefficient on its own (DeMo's top-k)."
+        },
+    )
     decode: str = field(
         default="selected",
         metadata={"help": "demo: average a coefficient over the replicas that sent it ('selected') or all ('mean')."},
@@ -242,6 +252,7 @@ class ReplicationSettings:
         _check_choice("scheme", self.scheme, scheme_names())
         _check_choice("decode", self.decode, DECODE_MODES)
         _check_int("replicate_every", self.replicate_every, low=1)
+        _check_int("topk_block", self.topk_block, low=1)
         for name in ("overlap", "shared_indices", "scale_topk"):
             _check_bool(name, getattr(self, name))
         _check_float("rate", self.rate, low=0.0, high=1.0, low_open=True)
@@ -480,7 +491,12 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
         self._check_wire()
         self._resolve_rules()
         self._check_rule()
-        validate_group(dataclasses.asdict(self), scheme=self.scheme, elementwise_update=self.elementwise_update)
+        validate_group(
+            dataclasses.asdict(self),
+            scheme=self.scheme,
+            elementwise_update=self.elementwise_update,
+            topk_block=self.topk_block,
+        )
         self._check_execution()
         self._check_fault_tolerance()
         self._check_what_the_scheme_takes()
@@ -532,6 +548,8 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
                 f"FlexDeMo: scale_topk=True scales the per-tile top-k of the schemes {schemes_where('top_k')}; "
                 f"scheme={self.scheme!r} picks no top-k, so it would be ignored; drop scale_topk."
             )
+        if self.topk_block != 1:
+            self._check_topk_block()
         if self.overlap and not self.traits.per_step:
             raise ValueError(
                 f"FlexDeMo: overlap=True applies to the per-step schemes {schemes_where('per_step')}, not to "
@@ -664,6 +682,26 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
                 "drop derived_topk, or use scheme='demo' with kernels='torch'."
             )
 
+    def _check_topk_block(self) -> None:
+        block = f"topk_block={self.topk_block}"
+        if not self.traits.top_k:
+            raise ValueError(
+                f"FlexDeMo: {block} picks blocks in the per-tile top-k of the schemes {schemes_where('top_k')}; "
+                f"scheme={self.scheme!r} picks no top-k, so it would be ignored; drop topk_block."
+            )
+        beside = {
+            "shared_indices=True": self.shared_indices,
+            f"derived_topk={self.derived_topk}": self.derived_topk is not None,
+            f"kernels={self.kernels!r}": self.kernels != "torch",
+        }
+        for name, given in beside.items():
+            if given:
+                raise ValueError(
+                    f"FlexDeMo: {block} cannot be combined with {name}: blocks are picked by scheme='demo' and "
+                    f"'sparseloco' on their own index sets with kernels='torch'. Drop topk_block (1: each coefficient "
+                    f"on its own), or drop {name.split('=')[0]}."
+                )
+
     def _check_shared_indices(self) -> None:
         if not self.traits.dct:
             raise ValueError(
@@ -711,6 +749,7 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
             keys += ["replicate_every"] if traits.sends else []
         flags = ("scale_topk", "overlap", "value_bits", "pack_indices", "shared_indices")
         keys += [key for key in flags if getattr(self, key)]
+        keys += ["topk_block"] if self.topk_block != 1 else []
         keys += ["index_coding"] if self.index_coding != "fixed" else []
         keys += ["derived_topk"] if self.derived_topk is not None else []
         if self.rounding != "nearest":
@@ -894,7 +933,7 @@ def whole_optimizer_setting_in_group(group: dict[str, Any]) -> str | None:
     )
 
 
-def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str = "sign") -> None:
+def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str = "sign", topk_block: int = 1) -> None:
     """Check the per-group hyperparameters; raises ValueError naming the setting, value and range.
 
     ``betas`` and ``eps`` belong to the inner AdamW of DiLoCo and SparseLoCo and to ``update='adam'``: others
@@ -905,6 +944,14 @@ def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str =
     _check_float("decay", group["decay"], low=0.0, high=1.0, high_open=True)
     _check_int("chunk", group["chunk"], low=1)
     _check_int("topk", group["topk"], low=1, high=group["chunk"] ** 2, why=" (at most chunk * chunk, a full tile)")
+    area = topk_block * topk_block
+    if traits_of(scheme).top_k and group["topk"] % area:
+        multiple = max(area, round(group["topk"] / area) * area)
+        raise ValueError(
+            f"FlexDeMo: topk={group['topk']} with topk_block={topk_block}: topk counts coefficients, sent in whole "
+            f"{topk_block} x {topk_block} blocks, so it must be a multiple of {area}; write topk={multiple}, or "
+            "topk_block=1."
+        )
     _check_bool("sign", group["sign"])
     update = group.get("update", "sign")
     _check_choice("update", update, UPDATE_RULES)

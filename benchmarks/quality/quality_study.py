@@ -193,6 +193,12 @@ WIRE_PROBES = {
     # Issue 45, direction 3 (its simplest form): `wire=2bit`'s exchange every 3 steps, the gradients of the steps
     # between accumulated in the momentum (replicate_every), so about 1,000x fewer bytes per step than dense
     "demo_2bit_every3": "topk=32,value_bits=2,pack_indices=true,index_coding=elias_fano,replicate_every=3",
+    # Issue 45: the top-k in blocks (topk_block), one Elias-Fano index per block, so at about 1,000x a 64 x 64 tile
+    # carries 64 coefficients at 1 bit (4 blocks of 4 x 4: 128 bits) or 28 (7 of 2 x 2: 124 bits), where DeMo's
+    # per-coefficient top-k fits 8 (128 bits); and at about `2bit`'s bytes (334x), 224 in 4 x 4 blocks
+    "demo_top64_block4_1bit_ef": "topk=64,topk_block=4,value_bits=1,pack_indices=true,index_coding=elias_fano",
+    "demo_top28_block2_1bit_ef": "topk=28,topk_block=2,value_bits=1,pack_indices=true,index_coding=elias_fano",
+    "demo_top224_block4_1bit_ef": "topk=224,topk_block=4,value_bits=1,pack_indices=true,index_coding=elias_fano",
     # Issue 45: most coefficients at positions every replica derives from the decoded updates (no indices), a
     # small top-k with indices beside them. About 1,000x: 64 x 64 tiles, 64 derived at 1 bit and the top 1
     # (143 bits a tile); 128 x 128 tiles, 384 derived and the top 4 (508 bits) or 448 and the top 1 (527 bits).

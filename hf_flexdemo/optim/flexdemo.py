@@ -143,7 +143,10 @@ class FlexDeMo(torch.optim.Optimizer):
             param_group = {**param_group, "update": "sign"}  # the raw decoded update: the sign rule's variant
         super().add_param_group(param_group)
         validate_group(
-            self.param_groups[-1], scheme=self.config.scheme, elementwise_update=self.config.elementwise_update
+            self.param_groups[-1],
+            scheme=self.config.scheme,
+            elementwise_update=self.config.elementwise_update,
+            topk_block=self.config.topk_block,
         )
 
     # -- topology ----------------------------------------------------------------------

@@ -165,15 +165,20 @@ class FlexDeMoReference:
         total = torch.zeros(rows, cols, dtype=mats[0].dtype)
         for r0, c0, a, b in _tiles(rows, cols, hp["chunk"]):
             left, right = _dct(a, mats[0].dtype), _dct(b, mats[0].dtype)
-            k = min(hp["topk"], a * b)
-            if hp.get("scale_topk"):  # topk's share of a full tile, rounded half up, at least 1
-                k = max(1, math.floor(hp["topk"] * a * b / hp["chunk"] ** 2 + 0.5))
+            block = hp.get("topk_block", 1)  # square blocks; a side it does not divide takes blocks of 1
+            br, bc = (block if a % block == 0 else 1), (block if b % block == 0 else 1)
+            blocks = min(hp["topk"] // (br * bc), a * b // (br * bc))
+            if hp.get("scale_topk"):  # topk's share of a full tile, rounded half up, at least 1 block
+                share = hp["topk"] * a * b / (hp["chunk"] ** 2 * br * bc)
+                blocks = max(1, min(a * b // (br * bc), math.floor(share + 0.5)))
             sums = torch.zeros(a * b, dtype=mats[0].dtype)
             counts = torch.zeros(a * b, dtype=mats[0].dtype)
             for r in range(R):
                 tile = mats[r][r0 : r0 + a, c0 : c0 + b]
                 coeffs = (left @ tile @ right.T).reshape(-1)
-                picked = torch.argsort(coeffs.abs(), descending=True)[:k]
+                energy = coeffs.reshape(a // br, br, b // bc, bc).square().sum((1, 3)).reshape(-1)
+                owner = (torch.arange(a).unsqueeze(1) // br * (b // bc) + torch.arange(b) // bc).reshape(-1)
+                picked = torch.isin(owner, torch.argsort(energy, descending=True)[:blocks]).nonzero().reshape(-1)
                 sent = torch.zeros_like(coeffs)
                 sent[picked] = coeffs[picked]
                 tile -= left.T @ sent.reshape(a, b) @ right  # error feedback, in place in momentum r

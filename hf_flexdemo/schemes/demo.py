@@ -59,7 +59,8 @@ def check_saved_tiles(saved_groups: list[dict], param_groups: list[dict], wire: 
 
 def tile_plan(shape: torch.Size, group: dict, config: FlexDeMoConfig, topk: int | None = None) -> ChunkPlan:
     """How one tensor of local ``shape`` is tiled under ``group``'s chunk, keeping ``topk`` (the group's if unset)."""
-    return ChunkPlan.for_shape(shape, group["chunk"], group["topk"] if topk is None else topk, config.scale_topk)
+    topk = group["topk"] if topk is None else topk
+    return ChunkPlan.for_shape(shape, group["chunk"], topk, config.scale_topk, config.topk_block)
 
 
 class DeMoScheme(MomentumScheme):

@@ -13,6 +13,8 @@ import torch
 from ..compression import (
     ChunkPlan,
     EliasFano,
+    block_members,
+    blocks_of,
     dequantize_codes,
     dequantize_tiles,
     index_bits_for,
@@ -58,23 +60,26 @@ class TopKWire:
         unpacked ``codes`` packed and their ``scale``."""
         bits = self.config.value_bits
         sent = [pack_bits(codes, bits), scale] if bits else [values.to(value_dtype)]
+        positions = blocks_of(indices, plan)  # one per block with topk_block
+        count, universe = plan.sent_positions
         if self.config.index_coding == "elias_fano":
-            return [*EliasFano(plan.k, plan.tile_size).encode(indices), *sent]
+            return [*EliasFano(count, universe).encode(positions), *sent]
         if self.config.pack_indices:
-            return [pack_bits(indices, index_bits_for(plan.tile_size)), *sent]
-        return [indices.to(plan.index_dtype), *sent]
+            return [pack_bits(positions, index_bits_for(universe)), *sent]
+        return [positions.to(plan.index_dtype), *sent]
 
     def read(self, part: list[torch.Tensor], plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """One replica's ``(indices, values)`` back from what it sent."""
+        count, universe = plan.sent_positions
         if self.config.index_coding == "elias_fano":
             lows, vector, *sent = part
-            indices = EliasFano(plan.k, plan.tile_size).decode(lows, vector, plan.n_tiles)
+            positions = EliasFano(count, universe).decode(lows, vector, plan.n_tiles)
         elif self.config.pack_indices:
             packed, *sent = part
-            count = plan.n_tiles * plan.k
-            indices = unpack_bits(packed, index_bits_for(plan.tile_size), count).view(plan.n_tiles, plan.k)
+            positions = unpack_bits(packed, index_bits_for(universe), plan.n_tiles * count).view(plan.n_tiles, count)
         else:
-            indices, *sent = part
+            positions, *sent = part
+        indices = block_members(positions, plan) if plan.block_size > 1 else positions
         if self.config.value_bits:
             codes, scale = sent
             return indices, dequantize_tiles(codes, scale, self.config.value_bits, plan.k)
