@@ -197,6 +197,10 @@ WIRE_PROBES = {
     # carries 64 coefficients at 1 bit (4 blocks of 4 x 4: 128 bits) or 28 (7 of 2 x 2: 124 bits), where DeMo's
     # per-coefficient top-k fits 8 (128 bits); and at about `2bit`'s bytes (334x), 224 in 4 x 4 blocks
     "demo_top64_block4_1bit_ef": "topk=64,topk_block=4,value_bits=1,pack_indices=true,index_coding=elias_fano",
+    # ... with every tile at that share (scale_topk): a norm's 64 entries send one block of 4, not all 64
+    "demo_top64_block4_1bit_ef_scaled": (
+        "topk=64,topk_block=4,scale_topk=true,value_bits=1,pack_indices=true,index_coding=elias_fano"
+    ),
     "demo_top28_block2_1bit_ef": "topk=28,topk_block=2,value_bits=1,pack_indices=true,index_coding=elias_fano",
     "demo_top224_block4_1bit_ef": "topk=224,topk_block=4,value_bits=1,pack_indices=true,index_coding=elias_fano",
     # Issue 45: most coefficients at positions every replica derives from the decoded updates (no indices), a
