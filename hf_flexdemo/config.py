@@ -689,17 +689,17 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
                 f"FlexDeMo: {block} picks blocks in the per-tile top-k of the schemes {schemes_where('top_k')}; "
                 f"scheme={self.scheme!r} picks no top-k, so it would be ignored; drop topk_block."
             )
-        beside = {
-            "shared_indices=True": self.shared_indices,
-            f"derived_topk={self.derived_topk}": self.derived_topk is not None,
-            f"kernels={self.kernels!r}": self.kernels != "torch",
+        beside = {  # (what is given, what to write instead)
+            "shared_indices=True": (self.shared_indices, "drop shared_indices"),
+            f"derived_topk={self.derived_topk}": (self.derived_topk is not None, "drop derived_topk"),
+            f"kernels={self.kernels!r}": (self.kernels != "torch", "write kernels='torch'"),
         }
-        for name, given in beside.items():
+        for name, (given, instead) in beside.items():
             if given:
                 raise ValueError(
                     f"FlexDeMo: {block} cannot be combined with {name}: blocks are picked by scheme='demo' and "
-                    f"'sparseloco' on their own index sets with kernels='torch'. Drop topk_block (1: each coefficient "
-                    f"on its own), or drop {name.split('=')[0]}."
+                    "'sparseloco' from each replica's own top-k, in torch (the fused kernels pick coefficients). "
+                    f"Drop topk_block (1: each coefficient on its own), or {instead}."
                 )
 
     def _check_shared_indices(self) -> None:

@@ -88,6 +88,14 @@ BAD = [
     (dict(scheme="lowrank", scale_topk=True), "scale_topk=True", "scheme='lowrank' picks no top-k"),
     (dict(scheme="full", scale_topk=True), "scale_topk=True", "drop scale_topk"),
     (dict(scale_topk="yes"), "scale_topk='yes'", "True or False"),
+    # blocks of the top-k: a scheme with a top-k of its own, in torch, and a topk they divide
+    (dict(scheme="lowrank", topk_block=2), "topk_block=2", "scheme='lowrank' picks no top-k"),
+    (dict(topk_block=2, shared_indices=True), "shared_indices=True", "drop shared_indices"),
+    (dict(topk_block=2, derived_topk=8), "derived_topk=8", "drop derived_topk"),
+    (dict(topk_block=2, kernels="triton"), "kernels='triton'", "write kernels='torch'"),
+    (dict(topk=30, topk_block=4), "topk=30 with topk_block=4", "write topk=32"),
+    (dict(scheme="sparseloco", topk=8, topk_block=4), "multiple of 16", "write topk=16, or topk_block=1"),
+    (dict(topk_block=0), "topk_block=0", "integer >= 1"),
     # a preset on 128 x 128 tiles: the fused kernels hold 64 x 64
     (dict(wire="top144_c128_2bit", kernels="triton"), "wire='top144_c128_2bit' tiles by chunk=128", "wire='2bit'"),
 ]
@@ -253,6 +261,8 @@ def test_a_fraction_with_a_zero_denominator_is_refused_clearly():
         (dict(scheme="sparseloco", value_bits=2), ["value_bits", "outer_momentum"], ["value_dtype", "decay"]),
         (dict(value_dtype="bf16"), ["value_dtype"], ["value_bits"]),
         (dict(scale_topk=True), ["topk", "chunk", "scale_topk"], ["rate"]),
+        (dict(topk=64, topk_block=4), ["topk", "chunk", "topk_block"], ["rate"]),
+        (dict(), ["topk"], ["topk_block"]),
         (dict(), ["topk"], ["scale_topk"]),
     ],
 )

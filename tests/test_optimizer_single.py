@@ -75,6 +75,18 @@ def test_scaled_topk_matches_the_reference(update):
     assert not all(torch.equal(p, q) for p, q in zip(params, unscaled.param_groups[0]["params"]))
 
 
+@pytest.mark.parametrize("update, scale", [("sign", False), ("orthogonal", False), ("sign", True)])
+def test_block_topk_matches_the_reference(update, scale):
+    """``topk_block=2`` on SMALL's tiles: 4 x 4 tiles send 2 blocks of 2 x 2, a 3 x 4 one 2 blocks of 1 x 2, 1 x 3 and
+    1 x 7 ones their coefficients alone; the reference picks the blocks its own way."""
+    params, opt, ref = run_with_reference(scheme="demo", update=update, topk=4, topk_block=2, scale_topk=scale)
+    _, single, _ = run_with_reference(scheme="demo", update=update, topk=4, scale_topk=scale)
+    atol = 1e-6 if update == "orthogonal" else 1e-12
+    for p, q in zip(params, ref.params[0]):
+        torch.testing.assert_close(p.detach(), q, atol=atol, rtol=0)
+    assert not all(torch.equal(p, q) for p, q in zip(params, single.param_groups[0]["params"]))
+
+
 @pytest.mark.parametrize("ns_steps", [3, 4])
 def test_fewer_newton_schulz_steps_match_the_reference(ns_steps):
     params, opt, ref = run_with_reference(scheme="demo", ns_steps=ns_steps)
@@ -308,6 +320,45 @@ def test_scale_topk_scales_sparselocos_top_k_too():
         opt.step()
         moved[scale] = [int((anchor != p.detach()).sum()) for anchor, p in zip(anchors, params)]
     assert moved == {False: [128, 128, 128], True: [128, 64, 32]}
+
+
+def test_block_topk_sends_one_index_per_block():
+    """Two simulated replicas, four 64 x 64 tiles, the top 64 at 1 bit with Elias-Fano indices: 4 blocks of 4 x 4 out
+    of 256 cost 6 low bits each and an 8-bit vector (4 + 256 / 64) a tile, where 64 of 4,096 coefficients cost 6 low
+    bits each and a 128-bit vector; the values (1 bit) and a float32 scale per tile are the same."""
+    sent = {}
+    for block in (1, 4):
+        params = [torch.nn.Parameter(torch.randn(128, 128, generator=torch.Generator().manual_seed(0)))]
+        opt = FlexDeMo(
+            params,
+            topk=64,
+            topk_block=block,
+            value_bits=1,
+            pack_indices=True,
+            index_coding="elias_fano",
+            simulate_replicas=2,
+            elementwise=[],
+        )
+        for replica in range(2):
+            params[0].grad = torch.randn(128, 128, generator=torch.Generator().manual_seed(replica + 1))
+            if replica == 0:
+                opt.next_replica()
+        opt.step()
+        sent[block] = opt.last_step_stats.bytes_sent
+    values_and_scales = 4 * 64 // 8 + 4 * 4
+    assert sent == {1: 4 * (64 * 6 + 128) // 8 + values_and_scales, 4: 4 * (4 * 6 + 8) // 8 + values_and_scales}
+
+
+def test_block_topk_moves_whole_blocks_of_sparselocos_entries():
+    """SparseLoCo picks entries, not coefficients: an outer step at ``outer_lr=1`` moves whole 4 x 4 blocks of them."""
+    params = [torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(0)))]
+    anchor = params[0].detach().clone()
+    opt = FlexDeMo(params, scheme="sparseloco", inner_steps=1, outer_lr=1.0, topk=48, topk_block=4)
+    params[0].grad = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    opt.step()
+    moved = (params[0].detach() != anchor).reshape(16, 4, 16, 4)
+    per_block = moved.sum((1, 3))
+    assert sorted(per_block.reshape(-1).tolist())[-4:] == [0, 16, 16, 16] and int(per_block.sum()) == 48
 
 
 def test_replicate_every_accumulates_without_moving_parameters():
