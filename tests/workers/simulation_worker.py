@@ -33,6 +33,10 @@ CONFIGS["default_scaled"] = dict(
     SMALL, topk=16, scale_topk=True, value_bits=2, pack_indices=True, index_coding="elias_fano"
 )
 """The default rule with a smaller tile keeping its share of the top 16 of 8 x 8 (``scale_topk``)."""
+CONFIGS["default_blocks"] = dict(
+    SMALL, topk=8, topk_block=2, value_bits=1, pack_indices=True, index_coding="elias_fano"
+)
+"""The default rule with the top 8 of 8 x 8 tiles picked as 2 blocks of 2 x 2, one index each (``topk_block``)."""
 CONFIGS["default_lowrank"] = dict(scheme="lowrank", factor_rank=2, value_bits=1)
 """The default rule on one side of rank-2 factors at 1 bit (``scheme='lowrank'``)."""
 
