@@ -211,11 +211,11 @@ class ChunkPlan:
     tile_rows: int
     tile_cols: int
     k: int
-    """Coefficients kept per tile: ``min(topk, tile_size)``, or with ``scale_topk`` topk's share of a full tile."""
+    """Coefficients kept per tile: ``min(topk, tile_size)``, or with ``scale_topk`` topk's share of a full tile; in
+    whole blocks with ``topk_block`` (a multiple of ``block_size``)."""
     block_rows: int = 1
+    """With ``topk_block``, the top-k picks whole ``block_rows x block_cols`` blocks of a tile, one index each."""
     block_cols: int = 1
-    """The top-k picks whole ``block_rows x block_cols`` blocks of a tile (``topk_block``); ``k`` is a multiple of
-    their area, and one index per block travels."""
 
     @classmethod
     def for_shape(
@@ -259,13 +259,13 @@ class ChunkPlan:
         return self.block_rows * self.block_cols
 
     @property
-    def sent_positions(self) -> tuple[int, int]:
-        """``(count, out of)`` per tile as the indices travel: blocks when ``topk_block`` picks blocks."""
+    def index_slots(self) -> tuple[int, int]:
+        """``(count, out of)``: the positions per tile that travel as indices (blocks with ``topk_block``)."""
         return self.k // self.block_size, self.tile_size // self.block_size
 
     @property
     def index_dtype(self) -> torch.dtype:
-        return index_dtype_for(self.sent_positions[1])
+        return index_dtype_for(self.index_slots[1])
 
     def _grid(self) -> tuple[int, int, int, int]:
         return self.rows // self.tile_rows, self.cols // self.tile_cols, self.tile_rows, self.tile_cols
@@ -335,7 +335,8 @@ def select_topk(coefficients: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tens
     """The ``plan.k`` largest-magnitude coefficients of every tile: ``(tile-local int64 indices, values)``.
 
     Indices ascend within a tile (the fused kernel's order, :mod:`hf_flexdemo.kernels.demo_encode`, so
-    both paths put the same value in the same wire slot and draw the same rounding noise for it). Among
+    both paths put the same value in the same wire slot and draw the same rounding noise for it); with
+    ``topk_block``, blocks ascend and each block's coefficients follow it (:func:`select_top_blocks`). Among
     exactly equal magnitudes at the k-th place, ``torch.topk`` picks in its own unspecified order where the
     kernel takes the lowest indices: measure zero for nonzero values.
     """
@@ -357,7 +358,7 @@ def select_top_blocks(coefficients: torch.Tensor, plan: ChunkPlan) -> tuple[torc
     grid_r, grid_c, a, b = plan._grid()
     br, bc = plan.block_rows, plan.block_cols
     energy = _tile_view(coefficients, plan).square().reshape(grid_r, grid_c, a // br, br, b // bc, bc).sum((3, 5))
-    count, _ = plan.sent_positions
+    count, _ = plan.index_slots
     blocks = energy.reshape(plan.n_tiles, -1).topk(count, dim=1, sorted=False)[1].sort(dim=1).values
     indices = block_members(blocks, plan)
     values = coefficients.reshape(-1)[flat_positions(indices, plan)].view(indices.shape)

@@ -326,6 +326,14 @@ class WireSettings:
             )
         _check_bool("pack_indices", self.pack_indices)
         _check_choice("index_coding", self.index_coding, INDEX_CODINGS)
+        area = self.topk_block**2
+        if self.wire is not None and self.topk % area:
+            fits = [b for b in range(self.topk_block - 1, 0, -1) if self.topk % (b * b) == 0][0]
+            raise ValueError(
+                f"FlexDeMo: wire={self.wire!r} sends topk={self.topk}, which topk_block={self.topk_block} cannot send "
+                f"in whole {self.topk_block} x {self.topk_block} blocks ({self.topk} is no multiple of {area}); write "
+                f"topk_block={fits}, or drop wire and set topk to a multiple of {area} with the other knobs yourself."
+            )
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -945,8 +953,14 @@ def validate_group(group: dict[str, Any], scheme: str, elementwise_update: str =
     _check_int("chunk", group["chunk"], low=1)
     _check_int("topk", group["topk"], low=1, high=group["chunk"] ** 2, why=" (at most chunk * chunk, a full tile)")
     area = topk_block * topk_block
+    if traits_of(scheme).top_k and topk_block > group["chunk"]:
+        raise ValueError(
+            f"FlexDeMo: topk_block={topk_block} is larger than chunk={group['chunk']}: a block must fit in a tile; "
+            f"write topk_block <= {group['chunk']} (one that divides the tiles' sides), or a larger chunk."
+        )
     if traits_of(scheme).top_k and group["topk"] % area:
-        multiple = max(area, round(group["topk"] / area) * area)
+        most = group["chunk"] ** 2 // area * area
+        multiple = min(max(area, round(group["topk"] / area) * area), most)
         raise ValueError(
             f"FlexDeMo: topk={group['topk']} with topk_block={topk_block}: topk counts coefficients, sent in whole "
             f"{topk_block} x {topk_block} blocks, so it must be a multiple of {area}; write topk={multiple}, or "

@@ -87,7 +87,7 @@ def test_scaled_topk_keeps_topks_share_of_a_full_tile(shape, k):
 )
 def test_block_plan_picks_whole_blocks_and_sends_one_position_per_block(shape, scale, k, blocks, positions):
     plan = ChunkPlan.for_shape(shape, chunk=64, topk=64 if len(shape) != 1 or scale else 32, scale_topk=scale, block=4)
-    assert (plan.k, (plan.block_rows, plan.block_cols), plan.sent_positions) == (k, blocks, positions)
+    assert (plan.k, (plan.block_rows, plan.block_cols), plan.index_slots) == (k, blocks, positions)
 
 
 def test_select_top_blocks_takes_the_blocks_of_most_energy_and_their_positions_round_trip():

@@ -96,6 +96,9 @@ BAD = [
     (dict(topk=30, topk_block=4), "topk=30 with topk_block=4", "write topk=32"),
     (dict(scheme="sparseloco", topk=8, topk_block=4), "multiple of 16", "write topk=16, or topk_block=1"),
     (dict(topk_block=0), "topk_block=0", "integer >= 1"),
+    (dict(chunk=64, topk_block=128), "topk_block=128 is larger than chunk=64", "write topk_block <= 64"),
+    (dict(chunk=5, topk=25, topk_block=2), "topk=25", "write topk=24"),  # the nearest multiple within a tile
+    (dict(wire="top24_2bit", topk_block=4), "wire='top24_2bit' sends topk=24", "write topk_block=2, or drop wire"),
     # a preset on 128 x 128 tiles: the fused kernels hold 64 x 64
     (dict(wire="top144_c128_2bit", kernels="triton"), "wire='top144_c128_2bit' tiles by chunk=128", "wire='2bit'"),
 ]

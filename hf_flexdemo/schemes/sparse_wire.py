@@ -61,7 +61,7 @@ class TopKWire:
         bits = self.config.value_bits
         sent = [pack_bits(codes, bits), scale] if bits else [values.to(value_dtype)]
         positions = blocks_of(indices, plan)  # one per block with topk_block
-        count, universe = plan.sent_positions
+        count, universe = plan.index_slots
         if self.config.index_coding == "elias_fano":
             return [*EliasFano(count, universe).encode(positions), *sent]
         if self.config.pack_indices:
@@ -70,7 +70,7 @@ class TopKWire:
 
     def read(self, part: list[torch.Tensor], plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """One replica's ``(indices, values)`` back from what it sent."""
-        count, universe = plan.sent_positions
+        count, universe = plan.index_slots
         if self.config.index_coding == "elias_fano":
             lows, vector, *sent = part
             positions = EliasFano(count, universe).decode(lows, vector, plan.n_tiles)
