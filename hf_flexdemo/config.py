@@ -326,14 +326,6 @@ class WireSettings:
             )
         _check_bool("pack_indices", self.pack_indices)
         _check_choice("index_coding", self.index_coding, INDEX_CODINGS)
-        area = self.topk_block**2
-        if self.wire is not None and self.topk % area:
-            fits = [b for b in range(self.topk_block - 1, 0, -1) if self.topk % (b * b) == 0][0]
-            raise ValueError(
-                f"FlexDeMo: wire={self.wire!r} sends topk={self.topk}, which topk_block={self.topk_block} cannot send "
-                f"in whole {self.topk_block} x {self.topk_block} blocks ({self.topk} is no multiple of {area}); write "
-                f"topk_block={fits}, or drop wire and set topk to a multiple of {area} with the other knobs yourself."
-            )
 
     @property
     def wire_dtype(self) -> torch.dtype | None:
@@ -626,6 +618,14 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
                     f"use the preset, or drop wire and set {preset_knobs(self.wire)} yourself."
                 )
             setattr(self, key, value)
+        area = self.topk_block**2
+        if self.topk % area:  # before the general check, which would ask for a topk the preset sets
+            fits = [b for b in range(self.topk_block - 1, 0, -1) if self.topk % (b * b) == 0][0]
+            raise ValueError(
+                f"FlexDeMo: wire={self.wire!r} sends topk={self.topk}, which topk_block={self.topk_block} cannot send "
+                f"in whole {self.topk_block} x {self.topk_block} blocks ({self.topk} is no multiple of {area}); write "
+                f"topk_block={fits}, or drop wire and set topk to a multiple of {area} with the other knobs yourself."
+            )
 
     def _resolve_rules(self) -> None:
         """``update=None`` becomes the scheme's rule; ``elementwise_update=None`` the default one."""
