@@ -367,6 +367,8 @@ def select_top_blocks(coefficients: torch.Tensor, plan: ChunkPlan) -> tuple[torc
 
 def block_members(blocks: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     """Tile-local positions ``(n_tiles, k)`` of the coefficients in tile-local ``blocks`` ``(n_tiles, k / block)``."""
+    if plan.block_size == 1:
+        return blocks
     br, bc, b = plan.block_rows, plan.block_cols, plan.tile_cols
     blocks = blocks.long()
     corner = (blocks // (b // bc)) * (br * b) + (blocks % (b // bc)) * bc

@@ -79,7 +79,7 @@ class TopKWire:
             positions = unpack_bits(packed, index_bits_for(universe), plan.n_tiles * count).view(plan.n_tiles, count)
         else:
             positions, *sent = part
-        indices = block_members(positions, plan) if plan.block_size > 1 else positions
+        indices = block_members(positions, plan)  # positions themselves without topk_block
         if self.config.value_bits:
             codes, scale = sent
             return indices, dequantize_tiles(codes, scale, self.config.value_bits, plan.k)
