@@ -139,6 +139,23 @@ CONFIGS = {
             ("ef0.5", "outer_momentum=0.5"),
         )
     },
+    # ... and on 128 x 128 tiles at one share (`wire=top144_c128_2bit`'s knobs, which beat `2bit` at 300x on all three
+    # presets), every 4 steps and, with twice the top-k, every 8; about the same bytes as top 32 every 4 steps; each
+    # also with error feedback's decay at 0.8 (0.9 by default), the fine-tuning probes' best
+    **{
+        f"sparseloco_h{h}_c128_2bit_ortho_adam{suffix}": (
+            "flexdemo",
+            f"scheme=sparseloco,inner_steps={h},topk={k},chunk=128,scale_topk=true,value_bits=2,pack_indices=true,"
+            f"index_coding=elias_fano,update=orthogonal,elementwise_update=adam{setting}",
+        )
+        for h, k in ((4, 144), (8, 288))
+        for suffix, setting in (("", ""), ("_ef0.8", ",outer_momentum=0.8"))
+    },
+    "sparseloco_h4_2bit_ortho_adam_ef0.8": (
+        "flexdemo",
+        "scheme=sparseloco,inner_steps=4,topk=32,value_bits=2,pack_indices=true,index_coding=elias_fano,"
+        "update=orthogonal,elementwise_update=adam,outer_momentum=0.8",
+    ),
     # The control: nothing crosses nodes, each node trains alone with the default rule (what the wire is worth)
     "none_ortho_adam": ("flexdemo", "scheme=none,update=orthogonal,elementwise_update=adam"),
     # Issue 45, direction 2: one side of rank-r factors a step, in a basis every replica shares (no indices);
@@ -153,8 +170,12 @@ CONFIGS = {
     },
 }
 LOWRANK = tuple(name for name in CONFIGS if name.startswith("lowrank_"))
-OUTER_STEP_PROBES = tuple(name for name in CONFIGS if name.startswith("sparseloco_h8_top64_2bit_ortho_adam_"))
-"""The outer step's own settings moved (fine-tuning probes, 2026-11-29): swept as the outer steps with Muon inside."""
+OUTER_STEP_PROBES = tuple(
+    name
+    for name in CONFIGS
+    if name.startswith("sparseloco_h8_top64_2bit_ortho_adam_") or "_c128_" in name or name.endswith("_ef0.8")
+)
+"""The outer step's own settings and tiles moved (probes, 2026-11-29): swept as the outer steps with Muon inside."""
 WIRE_PROBES = {
     "demo_top128": "topk=128",
     "demo_top512": "topk=512",
