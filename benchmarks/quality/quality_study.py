@@ -114,13 +114,14 @@ CONFIGS = {
     # the top 16 every 2 steps, the top 64 every 8, the top 128 every 16 (Elias-Fano indices cost a little less a
     # coefficient as the top-k grows, so the larger ones send slightly fewer bytes); every 9 and 12 steps divide T5's
     # evaluations (every 36 of 360 steps), so no evaluation adds an outer step there
+    # (and every 4 steps at 4x and 16x the density: the outer steps' frontier towards dense averaging)
     **{
         f"sparseloco_h{h}_top{k}_2bit_ortho_adam": (
             "flexdemo",
             f"scheme=sparseloco,inner_steps={h},topk={k},value_bits=2,pack_indices=true,index_coding=elias_fano,"
             "update=orthogonal,elementwise_update=adam",
         )
-        for h, k in ((2, 16), (8, 64), (16, 128), (9, 72), (12, 96))
+        for h, k in ((2, 16), (8, 64), (16, 128), (9, 72), (12, 96), (4, 128), (4, 512))
     },
     # ... and the top 64 every 8 steps with the outer step's own settings moved: the whole averaged pseudo-gradient
     # (outer_lr=1, against 0.7), and less or more of the unsent part forgotten at each outer step (error feedback's
@@ -156,6 +157,19 @@ CONFIGS = {
         "scheme=sparseloco,inner_steps=4,topk=32,value_bits=2,pack_indices=true,index_coding=elias_fano,"
         "update=orthogonal,elementwise_update=adam,outer_momentum=0.8",
     ),
+    # Where the outer steps' loss goes: the same outer steps every 4 steps with the whole pseudo-gradient averaged
+    # (DiLoCo with Muon inside, its outer Nesterov step; 4x fewer bytes than dense), and SparseLoCo's top 32 with
+    # float32 values (no quantization)
+    "diloco_h4_ortho_adam": ("flexdemo", "scheme=diloco,inner_steps=4,update=orthogonal,elementwise_update=adam"),
+    # ... and the parameters averaged every 4 steps (no outer momentum, outer_lr=1): local Muon's steps
+    "diloco_h4_avg_ortho_adam": (
+        "flexdemo",
+        "scheme=diloco,inner_steps=4,outer_lr=1.0,outer_momentum=0.0,update=orthogonal,elementwise_update=adam",
+    ),
+    "sparseloco_h4_f32_ortho_adam": (
+        "flexdemo",
+        "scheme=sparseloco,inner_steps=4,topk=32,update=orthogonal,elementwise_update=adam",
+    ),
     # The control: nothing crosses nodes, each node trains alone with the default rule (what the wire is worth)
     "none_ortho_adam": ("flexdemo", "scheme=none,update=orthogonal,elementwise_update=adam"),
     # Issue 45, direction 2: one side of rank-r factors a step, in a basis every replica shares (no indices);
@@ -173,7 +187,11 @@ LOWRANK = tuple(name for name in CONFIGS if name.startswith("lowrank_"))
 OUTER_STEP_PROBES = tuple(
     name
     for name in CONFIGS
-    if name.startswith("sparseloco_h8_top64_2bit_ortho_adam_") or "_c128_" in name or name.endswith("_ef0.8")
+    if name.startswith("sparseloco_h8_top64_2bit_ortho_adam_")
+    or "_c128_" in name
+    or name.endswith("_ef0.8")
+    or name.startswith("diloco_h4_")
+    or name == "sparseloco_h4_f32_ortho_adam"
 )
 """The outer step's own settings and tiles moved (probes, 2026-11-29): swept as the outer steps with Muon inside."""
 WIRE_PROBES = {
