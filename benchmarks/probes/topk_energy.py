@@ -1,47 +1,66 @@
-"""How much of a tensor's energy a per-tile top-k keeps: the momentum DeMo's wire sends, against the pseudo-gradient
-SparseLoCo's sends, each in the parameters' own domain and in the DCT's.
+"""How much of its state a per-tile top-k sends: DeMo's momentum against SparseLoCo's error feedback, each picked
+in the parameters' own domain and after each tile's DCT.
 
 Issue 45: SparseLoCo every 4 steps with Muon inside ends 12 points above averaging the same replicas' parameters
-every 4 steps (fine-tuning, 1 in 128 entries sent), and only density moved it. The reading to check: a pseudo-gradient
-made of orthogonalized steps spreads its energy over the entries, so a top-k keeps little of it, while the momentum
-before orthogonalizing keeps more in few coefficients.
+every 4 steps (fine-tuning, 1 entry in 128 sent), and only its density moved it. This measures how much of the state
+each wire selects from the top-k holds.
 
 One replica fine-tunes the quality study's OLMo2 base model (1.6M parameters) on the fine-tuning preset's text
-(Python's pydoc topics), as one node does in the study: 16 blocks a step, the Trainer's linear schedule with 5%
-warm-up, Muon's step (momentum ``betas[0]``, Nesterov, Newton-Schulz, ``sqrt(max(rows, cols))`` scale) on the 2-D
-matrices, AdamW on the rest. Every ``--inner_steps`` steps it measures each matrix's pseudo-gradient (its change
-over those steps) and its Muon momentum; for each, the share of the squared sum that the top ``--topk`` of every
-``--chunk`` x ``--chunk`` tile holds, taken directly (SparseLoCo's selection) and after each tile's DCT (DeMo's).
-A Gaussian tensor is the reference for "no structure". Printed as the energy-weighted share over all matrices and
-measurements::
+(Python's pydoc topics; training and evaluation text alike), as one node does in the study: 16 blocks a step drawn
+at random, the Trainer's linear schedule with 5% warm-up, Muon's step (momentum 0.9, Nesterov, Newton-Schulz,
+``sqrt(max(rows, cols))`` scale) on the 2-D matrices and AdamW on the rest. Beside it, for each 2-D matrix, shadow
+states are fed by the same run, as each wire keeps them, and each sends its top ``--topk`` of every ``--chunk`` x
+``--chunk`` tile and keeps the rest (values exact, no quantization):
 
-    .venv/bin/python benchmarks/probes/topk_energy.py \
-        --base benchmarks/results/quality/quality_olmo2_ft_issue45/base
+- SparseLoCo's error feedback ``e = 0.9 e + delta`` every ``--inner_steps`` steps, ``delta`` the parameters' change
+  since the last time;
+- DeMo's momentum ``q = 0.999 q + lr g`` every step, ``g`` the gradient.
+
+Each is kept once as it is (SparseLoCo picks there) and once in DCT coefficients (DeMo picks there). A Gaussian
+tensor is the reference for "no structure". The shadows see the Muon run's gradients, not the trajectory DeMo or
+SparseLoCo would take. Printed (and with ``--json`` written) as the share of the squared sum the top-k holds when it
+is picked, summed over the matrices and the picks::
+
+    .venv/bin/python benchmarks/probes/topk_energy.py --base benchmarks/results/quality/quality_olmo2_ft_issue45/base \
+        --json benchmarks/results/probes/topk_energy_top32.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_flexdemo.compression import ChunkPlan, select_topk, to_coefficients
+from hf_flexdemo.compression import ChunkPlan, flat_positions, select_topk, to_coefficients
 from hf_flexdemo.updates.orthogonal import scaled_newton_schulz
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "training_scripts"))
 from offline_data import english_paragraphs  # noqa: E402
 
 
-def kept_share(tensor: torch.Tensor, chunk: int, topk: int, dct: bool) -> tuple[float, float]:
-    """(energy the per-tile top-k keeps, all the energy) of a 2-D ``tensor``."""
-    plan = ChunkPlan.for_shape(tensor.shape, chunk, topk)
-    x = tensor.detach().to(torch.float32).reshape(plan.rows, plan.cols)
-    coefficients = to_coefficients(x, plan) if dct else x
-    _, values = select_topk(coefficients, plan)
-    return float(values.square().sum()), float(coefficients.square().sum())
+class Shadow:
+    """One wire's state of one matrix, in the parameters' domain or in DCT coefficients: it sends its top-k of every
+    tile and keeps the rest, and counts the energy it sent against the energy it held."""
+
+    def __init__(self, like: torch.Tensor, chunk: int, topk: int, dct: bool):
+        self.plan = ChunkPlan.for_shape(like.shape, chunk, topk)
+        self.dct = dct
+        self.state = torch.zeros(self.plan.rows, self.plan.cols)
+        self.sent = self.held = 0.0
+
+    def add(self, tensor: torch.Tensor, decay: float, scale: float = 1.0) -> None:
+        x = tensor.detach().to(torch.float32).reshape(self.plan.rows, self.plan.cols)
+        self.state.mul_(decay).add_(to_coefficients(x, self.plan) if self.dct else x, alpha=scale)
+
+    def send(self) -> None:
+        indices, values = select_topk(self.state, self.plan)
+        self.sent += float(values.square().sum())
+        self.held += float(self.state.square().sum())
+        self.state.view(-1)[flat_positions(indices, self.plan)] = 0.0
 
 
 def blocks(tokenizer, block_size: int) -> torch.Tensor:
@@ -61,6 +80,7 @@ def main() -> None:
     parser.add_argument("--block_size", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--topk", type=int, default=32)
+    parser.add_argument("--json", type=Path, help="also write the shares here")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -72,39 +92,54 @@ def main() -> None:
     momenta = [torch.zeros_like(p) for p in matrices]
     beta = 0.9  # Muon's momentum, betas[0] of the quality study's runs
     anchors = [p.detach().clone() for p in matrices]
-    totals = {name: [0.0, 0.0] for name in ("pseudo-gradient", "momentum", "gaussian")}
-    totals_dct = {name: [0.0, 0.0] for name in totals}
+    wires = ("SparseLoCo's error feedback", "DeMo's momentum", "a Gaussian tensor")
+    shadows = {
+        (wire, dct): [Shadow(p, args.chunk, args.topk, dct) for p in matrices]
+        for wire in wires
+        for dct in (False, True)
+    }
     warmup = max(args.steps // 20, 1)
-    for step in range(1, args.steps + 1):
-        lr = args.lr * min(step / warmup, (args.steps - step + 1) / (args.steps - warmup + 1))
+    for step in range(args.steps):  # the Trainer's linear schedule: step i at i / warmup, then down to 0
+        lr = args.lr * (step / warmup if step < warmup else (args.steps - step) / (args.steps - warmup))
         for group in adamw.param_groups:
             group["lr"] = lr
         batch = data[torch.randint(len(data), (args.batch,))]
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
+        outer = (step + 1) % args.inner_steps == 0
         with torch.no_grad():
-            for p, m in zip(matrices, momenta, strict=True):
+            for i, (p, m) in enumerate(zip(matrices, momenta, strict=True)):
+                for dct in (False, True):
+                    demo = shadows[wires[1], dct][i]
+                    demo.add(p.grad, decay=0.999, scale=lr)
+                    demo.send()
                 m.lerp_(p.grad, 1 - beta)
                 p.sub_(scaled_newton_schulz(p.grad.lerp(m, beta)), alpha=lr)
+                if outer:
+                    for dct in (False, True):
+                        sparseloco, noise = shadows[wires[0], dct][i], shadows[wires[2], dct][i]
+                        sparseloco.add(anchors[i] - p, decay=0.9)
+                        sparseloco.send()
+                        noise.add(torch.randn_like(p), decay=0.0)
+                        noise.send()
+                    anchors[i].copy_(p)
         adamw.step()
         model.zero_grad(set_to_none=True)
-        if step % args.inner_steps:
-            continue
-        for p, m, anchor in zip(matrices, momenta, anchors, strict=True):
-            samples = {"pseudo-gradient": anchor - p.detach(), "momentum": m, "gaussian": torch.randn_like(m)}
-            for name, tensor in samples.items():
-                for table, dct in ((totals, False), (totals_dct, True)):
-                    kept, whole = kept_share(tensor, args.chunk, args.topk, dct)
-                    table[name][0] += kept
-                    table[name][1] += whole
-            anchor.copy_(p.detach())
-        print(f"step {step}: loss {loss.item():.4f}", flush=True)
-    print(f"\nshare of the energy in the top {args.topk} of every {args.chunk} x {args.chunk} tile "
-          f"({len(matrices)} matrices, every {args.inner_steps} steps of {args.steps}):")  # fmt: skip
-    print("| tensor | parameters' domain | DCT |\n| --- | ---: | ---: |")
-    for name in totals:
-        direct, dct = (table[name][0] / table[name][1] for table in (totals, totals_dct))
-        print(f"| {name} | {direct:.1%} | {dct:.1%} |")
+        if outer:
+            print(f"step {step + 1}: loss {loss.item():.4f}", flush=True)
+    shares = {
+        wire: {domain: sum(s.sent for s in shadows[wire, dct]) / sum(s.held for s in shadows[wire, dct])
+               for domain, dct in (("parameters", False), ("dct", True))}
+        for wire in wires
+    }  # fmt: skip
+    print(f"\nshare of the energy in the top {args.topk} of every {args.chunk} x {args.chunk} tile when it is picked "
+          f"({len(matrices)} matrices, {args.steps} steps, outer steps every {args.inner_steps}):")  # fmt: skip
+    print("| state | parameters' domain | DCT |\n| --- | ---: | ---: |")
+    for wire, share in shares.items():
+        print(f"| {wire} | {share['parameters']:.1%} | {share['dct']:.1%} |")
+    if args.json:
+        args.json.write_text(json.dumps({"settings": vars(args) | {"base": str(args.base), "json": None},
+                                         "shares": shares}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -158,8 +158,8 @@ CONFIGS = {
         "update=orthogonal,elementwise_update=adam,outer_momentum=0.8",
     ),
     # Where the outer steps' loss goes: the same outer steps every 4 steps with the whole pseudo-gradient averaged
-    # (DiLoCo with Muon inside, its outer Nesterov step; 4x fewer bytes than dense), and SparseLoCo's top 32 with
-    # float32 values (no quantization)
+    # (DiLoCo with Muon inside, its outer Nesterov step; 3x to 4x fewer bytes than dense), and SparseLoCo's top 32
+    # with float32 values and 16-bit indices (no quantization)
     "diloco_h4_ortho_adam": ("flexdemo", "scheme=diloco,inner_steps=4,update=orthogonal,elementwise_update=adam"),
     # ... and the parameters averaged every 4 steps (no outer momentum, outer_lr=1): local Muon's steps
     "diloco_h4_avg_ortho_adam": (
