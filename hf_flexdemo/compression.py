@@ -32,11 +32,10 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
     return 1
 
 
-def scaled_topk(topk: int, tile_size: int, chunk: int, block_size: int = 1) -> int:
-    """``topk``'s share of a ``chunk x chunk`` tile in a tile of ``tile_size``, to the nearest, at least 1; in blocks
-    of ``block_size`` coefficients, the number of blocks that holds it."""
-    area = chunk * chunk * block_size
-    return max(1, min(tile_size // block_size, (2 * topk * tile_size + area) // (2 * area)))
+def scaled_topk(topk: int, tile_size: int, chunk: int) -> int:
+    """``topk``'s share of a ``chunk x chunk`` tile in a tile of ``tile_size``, to the nearest, at least 1."""
+    area = chunk * chunk
+    return max(1, min(tile_size, (2 * topk * tile_size + area) // (2 * area)))
 
 
 def index_dtype_for(tile_size: int) -> torch.dtype:
@@ -211,18 +210,10 @@ class ChunkPlan:
     tile_rows: int
     tile_cols: int
     k: int
-    """Coefficients kept per tile: ``min(topk, tile_size)``, or with ``scale_topk`` topk's share of a full tile; in
-    whole blocks with ``topk_block`` (a multiple of ``block_size``)."""
-    block_rows: int = 1
-    """With ``topk_block``, the top-k picks whole ``block_rows x block_cols`` blocks of a tile, one index each."""
-    block_cols: int = 1
+    """Coefficients kept per tile: ``min(topk, tile_size)``, or with ``scale_topk`` topk's share of a full tile."""
 
     @classmethod
-    def for_shape(
-        cls, shape: Sequence[int], chunk: int, topk: int, scale_topk: bool = False, block: int = 1
-    ) -> ChunkPlan:
-        """``block``: pick ``block x block`` blocks (``topk`` a multiple of ``block**2``). A tile side that
-        ``block`` does not divide (a 1-D tensor's single row) takes blocks of 1 along it."""
+    def for_shape(cls, shape: Sequence[int], chunk: int, topk: int, scale_topk: bool = False) -> ChunkPlan:
         if len(shape) == 0:
             rows, cols = 1, 1
         elif len(shape) == 1:
@@ -232,12 +223,8 @@ class ChunkPlan:
         tile_rows = largest_divisor_at_most(rows, chunk)
         tile_cols = largest_divisor_at_most(cols, chunk)
         tile_size = tile_rows * tile_cols
-        block_rows = block if tile_rows % block == 0 else 1
-        block_cols = block if tile_cols % block == 0 else 1
-        area = block_rows * block_cols
-        blocks = scaled_topk(topk, tile_size, chunk, area) if scale_topk else topk // area
-        k = min(blocks, tile_size // area) * area
-        return cls(rows, cols, tile_rows, tile_cols, k, block_rows, block_cols)
+        k = min(scaled_topk(topk, tile_size, chunk) if scale_topk else topk, tile_size)
+        return cls(rows, cols, tile_rows, tile_cols, k)
 
     def stacked(self, count: int) -> ChunkPlan:
         """The plan of ``count`` such tensors stacked by rows (a bucket): the same tiles, one tensor's after
@@ -255,17 +242,8 @@ class ChunkPlan:
         return (self.rows // self.tile_rows) * (self.cols // self.tile_cols)
 
     @property
-    def block_size(self) -> int:
-        return self.block_rows * self.block_cols
-
-    @property
-    def index_slots(self) -> tuple[int, int]:
-        """``(count, out of)``: the positions per tile that travel as indices (blocks with ``topk_block``)."""
-        return self.k // self.block_size, self.tile_size // self.block_size
-
-    @property
     def index_dtype(self) -> torch.dtype:
-        return index_dtype_for(self.index_slots[1])
+        return index_dtype_for(self.tile_size)
 
     def _grid(self) -> tuple[int, int, int, int]:
         return self.rows // self.tile_rows, self.cols // self.tile_cols, self.tile_rows, self.tile_cols
@@ -335,13 +313,10 @@ def select_topk(coefficients: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tens
     """The ``plan.k`` largest-magnitude coefficients of every tile: ``(tile-local int64 indices, values)``.
 
     Indices ascend within a tile (the fused kernel's order, :mod:`hf_flexdemo.kernels.demo_encode`, so
-    both paths put the same value in the same wire slot and draw the same rounding noise for it); with
-    ``topk_block``, blocks ascend and each block's coefficients follow it (:func:`select_top_blocks`). Among
+    both paths put the same value in the same wire slot and draw the same rounding noise for it). Among
     exactly equal magnitudes at the k-th place, ``torch.topk`` picks in its own unspecified order where the
     kernel takes the lowest indices: measure zero for nonzero values.
     """
-    if plan.block_size > 1:
-        return select_top_blocks(coefficients, plan)
     magnitudes = torch.empty(plan.n_tiles, plan.tile_size, dtype=coefficients.dtype, device=coefficients.device)
     grid_r, grid_c, a, b = plan._grid()
     # One pass: regroup into tiles and take magnitudes together.
@@ -349,40 +324,6 @@ def select_topk(coefficients: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tens
     indices = magnitudes.topk(plan.k, dim=1, sorted=False)[1].sort(dim=1).values
     values = coefficients.reshape(-1)[flat_positions(indices, plan)].view(indices.shape)
     return indices, values
-
-
-def select_top_blocks(coefficients: torch.Tensor, plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`select_topk` over whole blocks (``topk_block``): every tile's ``plan.k // plan.block_size`` blocks of
-    the largest energy (sum of squares), every coefficient in them. Blocks ascend within a tile, and a block's
-    coefficients follow it in row-major order (:func:`block_members`)."""
-    grid_r, grid_c, a, b = plan._grid()
-    br, bc = plan.block_rows, plan.block_cols
-    energy = _tile_view(coefficients, plan).square().reshape(grid_r, grid_c, a // br, br, b // bc, bc).sum((3, 5))
-    count, _ = plan.index_slots
-    blocks = energy.reshape(plan.n_tiles, -1).topk(count, dim=1, sorted=False)[1].sort(dim=1).values
-    indices = block_members(blocks, plan)
-    values = coefficients.reshape(-1)[flat_positions(indices, plan)].view(indices.shape)
-    return indices, values
-
-
-def block_members(blocks: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-    """Tile-local positions ``(n_tiles, k)`` of the coefficients in tile-local ``blocks`` ``(n_tiles, k / block)``."""
-    if plan.block_size == 1:
-        return blocks
-    br, bc, b = plan.block_rows, plan.block_cols, plan.tile_cols
-    blocks = blocks.long()
-    corner = (blocks // (b // bc)) * (br * b) + (blocks % (b // bc)) * bc
-    inside = (torch.arange(br, device=blocks.device) * b).unsqueeze(1) + torch.arange(bc, device=blocks.device)
-    return (corner.unsqueeze(2) + inside.reshape(1, 1, -1)).reshape(blocks.shape[0], -1)
-
-
-def blocks_of(indices: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-    """Inverse of :func:`block_members`: each block's index, read from its first coefficient."""
-    if plan.block_size == 1:
-        return indices
-    first = indices[:, :: plan.block_size].long()
-    b = plan.tile_cols
-    return (first // b // plan.block_rows) * (b // plan.block_cols) + (first % b) // plan.block_cols
 
 
 def decode_replicas(

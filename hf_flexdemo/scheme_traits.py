@@ -28,12 +28,11 @@ class SchemeTraits:
     top_k: bool = False
     """Sends each tile's top-k entries: ``topk``, ``chunk``, ``value_bits``, ``pack_indices``, ``index_coding``."""
     dct: bool = False
-    """DeMo's top-k of the momentum's DCT: ``wire`` presets, ``decode``, ``shared_indices``, ``derived_topk``."""
-    low_rank: bool = False
-    """Sends one side of each matrix's low-rank factorization in a shared basis, no indices: ``factor_rank``,
-    ``value_bits``, ``rounding``."""
+    """DeMo's top-k of the momentum's DCT: ``wire`` presets and ``shared_indices``."""
     subset: bool = False
     """Sends a scattered subset of the momentum's entries (``rate``): only the sign rule takes it."""
+    seeded: bool = False
+    """Draws the entries it sends from a generator every replica seeds alike with ``seed``."""
     fused_kernels: bool = False
     """``kernels='triton'`` fuses its passes."""
     payload_first: bool = False
@@ -41,6 +40,22 @@ class SchemeTraits:
     when ready encodes it before asking for the quorum."""
     sends: bool = True
     """Anything crosses nodes (``none`` sends nothing): ``value_dtype`` and ``replicate_every`` apply."""
+
+    @property
+    def reads(self) -> frozenset[str]:
+        """The settings of :data:`SCHEME_SETTINGS` this scheme reads, from the traits above: any other one given is
+        refused (:mod:`hf_flexdemo.config`)."""
+        reads = {"topk", "chunk"} if self.top_k else set()
+        reads |= {"inner_steps", "outer_lr", "outer_momentum"} if self.outer_steps else set()
+        reads |= {"rate"} if self.subset else set()
+        reads |= {"seed"} if self.seeded else set()
+        reads |= {"value_dtype"} if self.sends else set()
+        return frozenset(reads)
+
+
+SCHEME_SETTINGS = ("topk", "chunk", "inner_steps", "outer_lr", "outer_momentum", "rate", "seed", "value_dtype")
+"""Settings only some schemes read (:attr:`SchemeTraits.reads`): given to another, they are refused whatever their
+value (unset, they are ``None`` until the config resolves them)."""
 
 
 _REGISTERED: dict[str, type] = {}
@@ -71,6 +86,12 @@ def scheme_names() -> tuple[str, ...]:
 
 def traits_of(scheme: str) -> SchemeTraits:
     return scheme_class(scheme).traits
+
+
+def schemes_reading(setting: str) -> tuple[str, ...]:
+    """The schemes whose traits read ``setting`` (one of :data:`SCHEME_SETTINGS`)."""
+    assert setting in SCHEME_SETTINGS, setting
+    return tuple(name for name in scheme_names() if setting in traits_of(name).reads)
 
 
 def schemes_where(trait: str) -> tuple[str, ...]:

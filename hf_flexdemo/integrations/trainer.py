@@ -255,7 +255,7 @@ def _check_resumed_rules(checkpoint: Path, config: FlexDeMoConfig) -> None:
     if config.traits.outer_steps:  # their inner step keeps its state in the scheme's entries
         check_saved_inner_step(keys, config.update, where=str(checkpoint))
     else:
-        check_saved_state_keys(keys, config.update, config.elementwise_update, where=str(checkpoint))
+        check_saved_state_keys(keys, config.update, where=str(checkpoint))
 
 
 def _card_hyperparameters(original, trainer) -> dict[str, Any]:

@@ -23,7 +23,7 @@ class EncodedTiles(NamedTuple):
     """One bucket's selection: each ``(n_tiles, k)`` except ``scale`` (``(n_tiles,)``)."""
 
     indices: torch.Tensor
-    """Tile-local positions (row-major), ascending within a tile (with ``topk_block``: by block, then within it)."""
+    """Tile-local positions (row-major), ascending within a tile."""
     values: torch.Tensor
     """The selected coefficients, float32, before error feedback (the wire casts them to its dtype)."""
     codes: torch.Tensor | None

@@ -70,7 +70,7 @@ class FlexDeMo(torch.optim.Optimizer):
         replicate_dim: the mesh dimension that spans the nodes (default: ``dp_replicate``
             or ``replicate``, whichever the mesh has).
         elementwise: under ``update='orthogonal'`` (the default where it applies), parameters that
-            take ``elementwise_update`` whatever their group says: the embeddings and output heads
+            take the adam rule whatever their group says: the embeddings and output heads
             (the Trainer passes them; a plain-PyTorch program passes
             ``hf_flexdemo.elementwise_parameters(model)``). Other rules ignore it: they treat every
             tensor alike.
@@ -103,7 +103,7 @@ class FlexDeMo(torch.optim.Optimizer):
         """``settings``: the fields of :class:`~hf_flexdemo.FlexDeMoConfig` by name (``lr=3e-4, topk=32``; every one
         with its default and meaning: docs/settings.md). ``mesh`` and ``replicate_dim`` are the device mesh and its
         inter-node dimension (the Accelerate plugin attaches them); ``elementwise`` names the parameters that take
-        ``elementwise_update`` under ``update='orthogonal'`` (embeddings and heads)."""
+        the adam rule under ``update='orthogonal'`` (embeddings and heads)."""
         self.config = FlexDeMoConfig.from_keywords(settings)
         # A group's sign=False then keeps the sign rule, as sign=False does.
         self._update_unset = settings.get("update") is None
@@ -146,7 +146,6 @@ class FlexDeMo(torch.optim.Optimizer):
             self.param_groups[-1],
             scheme=self.config.scheme,
             elementwise_update=self.config.elementwise_update,
-            topk_block=self.config.topk_block,
         )
 
     # -- topology ----------------------------------------------------------------------
@@ -651,7 +650,7 @@ class FlexDeMo(torch.optim.Optimizer):
         if self.config.traits.top_k:
             check_saved_tiles(state_dict["param_groups"], self.param_groups, self.config.wire)
         if not self.config.traits.outer_steps:  # their inner step's state is the scheme's
-            check_saved_elementwise_rule(state_dict, self.param_groups, self.rules["orthogonal"].elementwise.name)
+            check_saved_elementwise_rule(state_dict, self.param_groups)
         self._pending = None  # an exchange started before loading refers to the replaced state
         if self._simulated is not None:
             self._simulated.clear()  # gradients taken before the load belong to the replaced run

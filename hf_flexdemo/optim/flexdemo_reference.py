@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from ..config import DEFAULT_ELEMENTWISE_UPDATE, default_update
-from ..updates.orthogonal import NS_SCHEDULES, newton_schulz_dtype
+from ..config import default_update
+from ..updates.orthogonal import NS_COEFFICIENTS, NS_STEPS, newton_schulz_dtype
 
 
 def _divisor(n: int, limit: int) -> int:
@@ -50,15 +50,16 @@ def _tiles(rows: int, cols: int, chunk: int):
     return [(r, c, a, b) for r in range(0, rows, a) for c in range(0, cols, b)]
 
 
-def _newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The quintic iteration in ``dtype``, after normalising in float32: X <- a X + (b X X^T + c (X X^T)^2) X, with
-    each iteration's (a, b, c) from ``ns_steps``' schedule (Muon's five, or fewer fitted ones)."""
+def _newton_schulz(g: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Muon's five quintic iterations in ``dtype``, after normalising in float32:
+    X <- a X + (b X X^T + c (X X^T)^2) X."""
     x = g.to(torch.float32)
     x = (x / (x.norm() + torch.finfo(torch.float32).tiny)).to(dtype)
     transposed = x.shape[0] > x.shape[1]
     if transposed:
         x = x.T
-    for a, b, c in NS_SCHEDULES[steps]:
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(NS_STEPS):
         xxt = x @ x.T
         x = a * x + (b * xxt + c * xxt @ xxt) @ x
     return x.T if transposed else x
@@ -76,10 +77,7 @@ class FlexDeMoReference:
             "chunk": 64,
             "sign": True,
             "update": None,  # None: as FlexDeMoConfig resolves it
-            "elementwise_update": None,
             "ns_dtype": "auto",
-            "ns_steps": None,
-            "decode": "selected",
             "scheme": "demo",
             "replicate_every": 1,
             "rate": 1 / 128,
@@ -93,8 +91,6 @@ class FlexDeMoReference:
         }
         if self.hp["update"] is None:
             self.hp["update"] = default_update(self.hp["scheme"], self.hp["sign"])
-        if self.hp["elementwise_update"] is None:
-            self.hp["elementwise_update"] = DEFAULT_ELEMENTWISE_UPDATE if self.hp["update"] == "orthogonal" else "sign"
         self.replicas = replicas
         self.gather_rows = gather_rows or (lambda local: (local, 0))
         self.params = [[p.detach().clone() for p in params] for _ in range(replicas)]
@@ -136,8 +132,8 @@ class FlexDeMoReference:
         at = torch.arange(flat.numel()) if where is None else where
         u = update.reshape(-1)
         rule = hp["update"]
-        if rule == "orthogonal" and p.dim() != 2:  # what it does not orthogonalize
-            rule = hp["elementwise_update"]
+        if rule == "orthogonal" and p.dim() != 2:  # what it does not orthogonalize takes the adam rule
+            rule = "adam"
         if rule == "adam":
             if hp["lr"] == 0:
                 return
@@ -152,7 +148,7 @@ class FlexDeMoReference:
         elif rule == "orthogonal":
             whole, start = self.gather_rows(update.reshape(p.shape))
             dtype = newton_schulz_dtype(hp["ns_dtype"], p.device)
-            ortho = _newton_schulz(whole, steps=hp["ns_steps"] or 5, dtype=dtype).float() * math.sqrt(max(whole.shape))
+            ortho = _newton_schulz(whole, dtype=dtype).float() * math.sqrt(max(whole.shape))
             p -= hp["lr"] * ortho[start : start + p.shape[0]].to(p.dtype)
         else:
             flat[at] -= hp["lr"] * (u.sign() if hp["sign"] else u)
@@ -165,26 +161,21 @@ class FlexDeMoReference:
         total = torch.zeros(rows, cols, dtype=mats[0].dtype)
         for r0, c0, a, b in _tiles(rows, cols, hp["chunk"]):
             left, right = _dct(a, mats[0].dtype), _dct(b, mats[0].dtype)
-            block = hp.get("topk_block", 1)  # square blocks; a side it does not divide takes blocks of 1
-            br, bc = (block if a % block == 0 else 1), (block if b % block == 0 else 1)
-            blocks = min(hp["topk"] // (br * bc), a * b // (br * bc))
-            if hp.get("scale_topk"):  # topk's share of a full tile, rounded half up, at least 1 block
-                share = hp["topk"] * a * b / (hp["chunk"] ** 2 * br * bc)
-                blocks = max(1, min(a * b // (br * bc), math.floor(share + 0.5)))
+            k = min(hp["topk"], a * b)
+            if hp.get("scale_topk"):  # topk's share of a full tile, rounded half up, at least 1
+                k = max(1, min(a * b, math.floor(hp["topk"] * a * b / hp["chunk"] ** 2 + 0.5)))
             sums = torch.zeros(a * b, dtype=mats[0].dtype)
             counts = torch.zeros(a * b, dtype=mats[0].dtype)
             for r in range(R):
                 tile = mats[r][r0 : r0 + a, c0 : c0 + b]
                 coeffs = (left @ tile @ right.T).reshape(-1)
-                energy = coeffs.reshape(a // br, br, b // bc, bc).square().sum((1, 3)).reshape(-1)
-                owner = (torch.arange(a).unsqueeze(1) // br * (b // bc) + torch.arange(b) // bc).reshape(-1)
-                picked = torch.isin(owner, torch.argsort(energy, descending=True)[:blocks]).nonzero().reshape(-1)
+                picked = torch.argsort(coeffs.abs(), descending=True)[:k].sort().values
                 sent = torch.zeros_like(coeffs)
                 sent[picked] = coeffs[picked]
                 tile -= left.T @ sent.reshape(a, b) @ right  # error feedback, in place in momentum r
                 sums[picked] += coeffs[picked]
                 counts[picked] += 1
-            mean = sums / counts.clamp(min=1) if hp["decode"] == "selected" else sums / R
+            mean = sums / counts.clamp(min=1)  # over the replicas that sent each coefficient
             total[r0 : r0 + a, c0 : c0 + b] = left.T @ mean.reshape(a, b) @ right
         for r in range(R):
             self._move(r, i, total.reshape(shape))

@@ -6,11 +6,9 @@ from ..config import FlexDeMoConfig
 from ..scheme_traits import scheme_class, scheme_names
 from .base import Collective, Decoded, ParamSlot, ReplicationScheme, StepContext
 from .demo import DeMoScheme, check_saved_tiles
-from .demo_derived import DerivedIndexDeMoScheme
 from .demo_shared import SharedIndexDeMoScheme
 from .dense import FullScheme, NoneScheme
 from .diloco import DiLoCoScheme
-from .lowrank import LowRankScheme
 from .sparseloco import SparseLoCoScheme
 from .subset import RandomScheme, StridingScheme
 
@@ -21,8 +19,6 @@ SCHEME_CLASSES: dict[str, type[ReplicationScheme]] = {name: scheme_class(name) f
 def build_scheme(config: FlexDeMoConfig) -> ReplicationScheme:
     if config.shared_indices:  # demo only (checked by the config)
         return SharedIndexDeMoScheme(config)
-    if config.derived_topk is not None:  # demo only (checked by the config)
-        return DerivedIndexDeMoScheme(config)
     return scheme_class(config.scheme)(config)
 
 
@@ -30,11 +26,9 @@ __all__ = [
     "SCHEME_CLASSES",
     "Collective",
     "DeMoScheme",
-    "DerivedIndexDeMoScheme",
     "Decoded",
     "DiLoCoScheme",
     "FullScheme",
-    "LowRankScheme",
     "NoneScheme",
     "ParamSlot",
     "RandomScheme",

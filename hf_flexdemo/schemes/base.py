@@ -61,7 +61,7 @@ class SparseCoefficients:
     parts: list[tuple[torch.Tensor, torch.Tensor]]
     """Per replica, in replica order: ``(indices, values)``, each ``(n_tiles, k)``."""
     mode: str
-    """``decode``: ``selected`` or ``mean``."""
+    """How the parts are averaged: ``selected`` (over the replicas that sent each coefficient) or ``mean``."""
     dtype: torch.dtype
     """The momentum's dtype, which the dense update takes."""
     kernels: str = "torch"
@@ -123,8 +123,8 @@ class ReplicationScheme(ABC):
 
     @property
     def encodes_from_shared_state(self) -> bool:
-        """Whether ``local_step`` reads state every replica holds alike (the shared index set, the derived set's
-        score, the low-rank basis): a node with missed steps to replay replays them before it encodes."""
+        """Whether ``local_step`` reads state every replica holds alike (``shared_indices``' index set): a node with
+        missed steps to replay replays them before it encodes."""
         return bool(self.shared_keys) and self.traits.replayable
 
     def is_replication_step(self, step: int, forced: bool = False) -> bool:

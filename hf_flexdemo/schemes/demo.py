@@ -60,7 +60,7 @@ def check_saved_tiles(saved_groups: list[dict], param_groups: list[dict], wire: 
 def tile_plan(shape: torch.Size, group: dict, config: FlexDeMoConfig, topk: int | None = None) -> ChunkPlan:
     """How one tensor of local ``shape`` is tiled under ``group``'s chunk, keeping ``topk`` (the group's if unset)."""
     topk = group["topk"] if topk is None else topk
-    return ChunkPlan.for_shape(shape, group["chunk"], topk, config.scale_topk, config.topk_block)
+    return ChunkPlan.for_shape(shape, group["chunk"], topk, config.scale_topk)
 
 
 class DeMoScheme(MomentumScheme):
@@ -142,7 +142,7 @@ class DeMoScheme(MomentumScheme):
         if plan.n_tiles == 0:
             return self.empty_update(bucket)
         parts = [self.wire.read(part, plan) for part in received]
-        sparse = SparseCoefficients(plan, parts, self.config.decode, self.momentum(bucket).dtype, self.config.kernels)
+        sparse = SparseCoefficients(plan, parts, "selected", self.momentum(bucket).dtype, self.config.kernels)
         if self.config.kernels == "triton":  # the sign rule applies it as it is; the others ask for it dense
             return Decoded(bucket, sparse=sparse)
         return Decoded(bucket, sparse.dense())

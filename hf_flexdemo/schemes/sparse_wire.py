@@ -13,8 +13,6 @@ import torch
 from ..compression import (
     ChunkPlan,
     EliasFano,
-    block_members,
-    blocks_of,
     dequantize_codes,
     dequantize_tiles,
     index_bits_for,
@@ -60,26 +58,23 @@ class TopKWire:
         unpacked ``codes`` packed and their ``scale``."""
         bits = self.config.value_bits
         sent = [pack_bits(codes, bits), scale] if bits else [values.to(value_dtype)]
-        positions = blocks_of(indices, plan)  # one per block with topk_block
-        count, universe = plan.index_slots
         if self.config.index_coding == "elias_fano":
-            return [*EliasFano(count, universe).encode(positions), *sent]
+            return [*EliasFano(plan.k, plan.tile_size).encode(indices), *sent]
         if self.config.pack_indices:
-            return [pack_bits(positions, index_bits_for(universe)), *sent]
-        return [positions.to(plan.index_dtype), *sent]
+            return [pack_bits(indices, index_bits_for(plan.tile_size)), *sent]
+        return [indices.to(plan.index_dtype), *sent]
 
     def read(self, part: list[torch.Tensor], plan: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """One replica's ``(indices, values)`` back from what it sent."""
-        count, universe = plan.index_slots
         if self.config.index_coding == "elias_fano":
             lows, vector, *sent = part
-            positions = EliasFano(count, universe).decode(lows, vector, plan.n_tiles)
+            indices = EliasFano(plan.k, plan.tile_size).decode(lows, vector, plan.n_tiles)
         elif self.config.pack_indices:
             packed, *sent = part
-            positions = unpack_bits(packed, index_bits_for(universe), plan.n_tiles * count).view(plan.n_tiles, count)
+            bits = index_bits_for(plan.tile_size)
+            indices = unpack_bits(packed, bits, plan.n_tiles * plan.k).view(plan.n_tiles, plan.k)
         else:
-            positions, *sent = part
-        indices = block_members(positions, plan)  # positions themselves without topk_block
+            indices, *sent = part
         if self.config.value_bits:
             codes, scale = sent
             return indices, dequantize_tiles(codes, scale, self.config.value_bits, plan.k)

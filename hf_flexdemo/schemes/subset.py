@@ -68,7 +68,7 @@ class SubsetScheme(MomentumScheme):
 
 class RandomScheme(SubsetScheme):
     name = "random"
-    traits = SchemeTraits(per_step=True, replayable=True, subset=True)
+    traits = SchemeTraits(per_step=True, replayable=True, subset=True, seeded=True)
 
     def tensor_positions(self, bucket: Bucket, ctx: StepContext) -> torch.Tensor:
         numel, block = bucket.numel, self.block

@@ -7,7 +7,7 @@ replica. The rule named by the parameter group's ``update`` turns that update in
 - ``orthogonal`` (the default on demo, full and none): ``p -= lr * sqrt(max(rows, cols)) * NS(U)``
   for each 2-D matrix ``U`` (Newton-Schulz orthogonalization, as Muon does), computed by one
   owner process of the node when FSDP2 shards it; other tensors, and the embeddings and heads the Trainer names,
-  take ``elementwise_update`` (``adam`` by default, as Muon leaves them to AdamW);
+  take the adam rule, as Muon leaves them to AdamW;
 - ``adam``: ``p -= lr * g / (sqrt(v_hat) + eps)`` with ``g = u / lr`` and ``v`` a running mean of
   ``g**2`` per entry;
 - ``sign``: ``p -= lr * sign(u)`` (DeMo's rule; ``lr * u`` with ``sign=False``).

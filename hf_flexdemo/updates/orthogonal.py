@@ -8,10 +8,9 @@ sharded case). For a 2-D parameter with decoded update ``U`` (``rows x cols``)::
 
 The factor makes the step's root mean square about 1 per entry, the size of a sign step, so
 a learning rate tuned for ``sign`` is the right order here. Tensors that are not 2-D (norms,
-biases, convolution kernels) take the element-wise rule ``elementwise_update`` (``sign``, or
-``adam`` as Muon leaves them to AdamW); embeddings and output heads should too, and the
-Trainer integration puts them in groups of their own with that rule (a plain-PyTorch user
-passes ``elementwise=`` or such a group).
+biases, convolution kernels) take the adam rule, as Muon leaves them to AdamW; embeddings and
+output heads should too, and the Trainer integration puts them in groups of their own with that
+rule (a plain-PyTorch user passes ``elementwise=`` or such a group).
 
 Newton-Schulz runs on a whole bucket at once (a batch of same-shape matrices: ``X @ X.mT`` on
 the last two dimensions) in ``ns_dtype``, after normalising each matrix in float32 so that a tiny
@@ -49,37 +48,21 @@ from ..config import NS_DTYPES, FlexDeMoConfig
 from ..schemes.base import StepContext
 from .adam import AdamRule
 from .base import Decoded, UpdateRule
-from .sign import SignRule
 
 logger = logging.getLogger(__name__)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic of Muon's Newton-Schulz iteration: fast growth of small singular values."""
 NS_STEPS = 5
-FITTED_QUINTICS = (
-    (8.4546, -24.9758, 18.5127),
-    (3.8997, -2.5437, 0.4562),
-    (3.8683, -2.7151, 0.4860),
-    (3.3587, -2.5221, 0.5151),
-)
-"""One quintic per iteration, each fitted to the interval of singular values the ones before it leave (from
-``[1e-3, 1]``; ``benchmarks/probes/ns_coefficients.py`` derives them): three of them take ``[1e-3, 1]`` to
-``[0.13, 1.87]``, four to ``[0.42, 1.58]``; Muon's five, to ``[0.47, 1.20]``."""
-NS_SCHEDULES: dict[int, tuple[tuple[float, float, float], ...]] = {
-    5: (NS_COEFFICIENTS,) * NS_STEPS,
-    4: FITTED_QUINTICS,
-    3: FITTED_QUINTICS[:3],
-}
-"""``ns_steps``: the quintic of each iteration. Five are Muon's; fewer are fitted, one per iteration."""
+"""Muon's iterations, each with :data:`NS_COEFFICIENTS`."""
 
 
-def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def newton_schulz(matrix: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Approximately semi-orthogonal matrices with the singular vectors of ``matrix`` (``(..., rows, cols)``).
 
-    Iterates in ``dtype`` on the last two dimensions, so a stack of matrices is one batched product; ``steps``
-    picks the iterations' quintics (:data:`NS_SCHEDULES`).
+    Iterates in ``dtype`` on the last two dimensions, so a stack of matrices is one batched product.
     """
-    schedule = NS_SCHEDULES[steps]
+    a, b, c = NS_COEFFICIENTS
     x = matrix.to(torch.float32)
     # Singular values into [0, 1], where the iteration converges. The update's scale (lr * grad) can be
     # tiny: its squares would vanish in float32, so the norm sums them in float64, and the guard against a
@@ -90,10 +73,10 @@ def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtyp
     if not wide:
         x = x.mT  # iterate on the smaller Gram matrix
     batched = x.unsqueeze(0) if x.dim() == 2 else x.reshape(-1, *x.shape[-2:])
-    for step, (a, b, c) in enumerate(schedule):
+    for step in range(NS_STEPS):
         gram = batched @ batched.mT
         polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b * G + c * G @ G
-        if step == steps - 1 and not wide:  # the last product transposed: the tall result comes out contiguous
+        if step == NS_STEPS - 1 and not wide:  # the last product transposed: the tall result comes out contiguous
             return torch.baddbmm(batched.mT, batched.mT, polynomial.mT, beta=a).view(matrix.shape)
         batched = torch.baddbmm(batched, polynomial, batched, beta=a)  # a * X + (b * G + c * G @ G) @ X
     return batched.view(x.shape) if wide else batched.view(x.shape).mT
@@ -160,11 +143,9 @@ class OrthogonalRule(UpdateRule):
 
     def __init__(self, config: FlexDeMoConfig):
         super().__init__(config)
-        self.elementwise = (AdamRule if config.elementwise_update == "adam" else SignRule)(config)
+        self.elementwise = AdamRule(config)  # as Muon leaves them to AdamW
         self.state_keys = self.elementwise.state_keys
         self.dtype: torch.dtype | None = None
-        self.steps = config.ns_steps or NS_STEPS
-        """Newton-Schulz's iterations (``ns_steps``; Muon's five unless given)."""
         """Newton-Schulz's dtype, settled at the first step (``ns_dtype='auto'`` depends on the devices)."""
 
     def init_state(self, bucket: Bucket) -> None:
@@ -194,12 +175,12 @@ class OrthogonalRule(UpdateRule):
             if shards is None:
                 bucket = item.bucket
                 whole = item.update.view(bucket.count, *bucket.shape)
-                ortho = newton_schulz(whole, steps=self.steps, dtype=self.dtype)
+                ortho = newton_schulz(whole, dtype=self.dtype)
                 self.subtract(item, ortho, scale=step_scale(bucket.full_shape))
             else:
                 by_group[shards].append(item)
         for (group, size, rank), items in by_group.items():
-            owned = _orthogonalize_by_owner(items, group, size, rank, self.dtype, self.steps)
+            owned = _orthogonalize_by_owner(items, group, size, rank, self.dtype)
             for item, ortho in zip(items, owned):
                 self.subtract(item, ortho, scale=step_scale(item.bucket.full_shape))
 
@@ -210,12 +191,10 @@ def step_scale(shape: torch.Size | tuple[int, ...]) -> float:
     return math.sqrt(max(shape[-2:]))
 
 
-def scaled_newton_schulz(
-    whole: torch.Tensor, dtype: torch.dtype = torch.float32, steps: int = NS_STEPS
-) -> torch.Tensor:
+def scaled_newton_schulz(whole: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``step_scale * NS(whole)`` for each ``rows x cols`` matrix: the step per unit of ``lr`` (for benchmarks and
     tests; the rule scales in its subtraction)."""
-    return newton_schulz(whole, steps=steps, dtype=dtype).mul_(step_scale(whole.shape))
+    return newton_schulz(whole, dtype=dtype).mul_(step_scale(whole.shape))
 
 
 @functools.lru_cache(maxsize=16)  # the same buckets every step: dealt once per set of shapes
@@ -243,7 +222,6 @@ def _orthogonalize_by_owner(
     size: int,
     rank: int,
     dtype: torch.dtype = torch.float32,
-    steps: int = NS_STEPS,
 ) -> list[torch.Tensor]:
     """This process's rows of each bucket's orthogonalizations (unscaled), each matrix computed by its owner.
 
@@ -277,7 +255,7 @@ def _orthogonalize_by_owner(
             continue
         stacked = received[:, start : start + mine * block[j]].reshape(size, mine, per, cols)
         whole = stacked.transpose(0, 1).reshape(mine, size * per, cols)[:, :rows]
-        ortho = torch.nn.functional.pad(newton_schulz(whole, steps=steps, dtype=dtype), (0, 0, 0, size * per - rows))
+        ortho = torch.nn.functional.pad(newton_schulz(whole, dtype=dtype), (0, 0, 0, size * per - rows))
         results.append(ortho.view(mine, size, per, cols).transpose(0, 1).reshape(size, mine * block[j]))
         start += mine * block[j]
     # Back: to each process q, its rows of every matrix this process owns, in the same order.

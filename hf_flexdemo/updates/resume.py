@@ -9,7 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ..removed import removed_reason
 from .adam import SECOND_MOMENT, AdamRule
+
+ELEMENTWISE_SIGN = "the sign rule on what update='orthogonal' does not orthogonalize (elementwise_update='sign')"
 
 
 def check_saved_rules(saved_groups: list[dict[str, Any]], param_groups: list[dict[str, Any]]) -> None:
@@ -21,24 +24,30 @@ def check_saved_rules(saved_groups: list[dict[str, Any]], param_groups: list[dic
             f"FlexDeMo: the checkpoint holds {len(saved_groups)} parameter groups trained with "
             f"update={_rules(saved_rules)}, but this run has {len(param_groups)} with "
             f"update={_rules([g['update'] for g in param_groups])}; update='orthogonal' (the default on "
-            "demo, full and none) puts embeddings and heads in groups of their own. Resume with the update and "
-            f"elementwise_update the checkpoint was trained with{_resume_hint(saved_rules)}, or start a new run "
-            "in another output_dir."
+            "demo, full and none) puts embeddings and heads in groups of their own. Resume with the update the "
+            f"checkpoint was trained with{_resume_hint(saved_rules)}, or start a new run in another output_dir."
         )
     for was, group in zip(saved_rules, param_groups):
         if was != group["update"]:
-            # Under orthogonal, the other groups hold what it leaves to elementwise_update.
-            write = f"elementwise_update={was!r}" if "orthogonal" in saved_rules and was != "orthogonal" else ""
-            write = write or f"update={was!r}"
+            if "orthogonal" in saved_rules and was == "sign":  # its embeddings and heads took the sign rule
+                raise ValueError(_removed_elementwise_sign())
             raise ValueError(
                 f"FlexDeMo: the checkpoint trained a group of {len(group['params'])} parameters with "
                 f"update={was!r}, but this run sets update={group['update']!r}; its state would not match. "
-                f"Resume with {write} (optim_args), or start a new run in another output_dir."
+                f"Resume with update={was!r} (optim_args), or start a new run in another output_dir."
             )
 
 
-def check_saved_elementwise_rule(state_dict: dict[str, Any], param_groups: list[dict[str, Any]], rule: str) -> None:
-    """Norms and biases share the orthogonal groups: their saved state tells which rule moved them."""
+def _removed_elementwise_sign() -> str:
+    return (
+        f"FlexDeMo: the checkpoint was trained with {ELEMENTWISE_SIGN}, which this version cannot resume. "
+        f"elementwise_update was removed: {removed_reason('elementwise_update')} Or start a new run in another "
+        "output_dir."
+    )
+
+
+def check_saved_elementwise_rule(state_dict: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
+    """Norms and biases share the orthogonal groups: their saved state tells which rule moved them (adam now)."""
     saved = [
         state_dict["state"][pid]
         for group, mine in zip(state_dict["param_groups"], param_groups)
@@ -47,21 +56,11 @@ def check_saved_elementwise_rule(state_dict: dict[str, Any], param_groups: list[
         if param.dim() != 2 and state_dict["state"].get(pid)  # matrices keep no element-wise state
     ]
     kept = {key for state in saved for key in state} & set(AdamRule.state_keys)
-    was = "adam" if kept else "sign"
-    if saved and any("step" in state for state in saved) and was != rule:
-        raise ValueError(
-            f"FlexDeMo: the checkpoint moved what update='orthogonal' does not orthogonalize with "
-            f"elementwise_update={was!r}, but this run sets elementwise_update={rule!r}; its state would not "
-            f"match. Resume with elementwise_update={was!r} (optim_args), or start a new run in another output_dir."
-        )
+    if saved and any("step" in state for state in saved) and not kept:
+        raise ValueError(_removed_elementwise_sign())
 
 
-def _keeps_adam_state(update: str, elementwise_update: str) -> bool:
-    """Whether a run with these settings keeps adam's state (every HF model has norms or embeddings)."""
-    return update == "adam" or (update == "orthogonal" and elementwise_update == "adam")
-
-
-def check_saved_state_keys(keys: Iterable[str], update: str, elementwise_update: str, where: str) -> None:
+def check_saved_state_keys(keys: Iterable[str], update: str, where: str) -> None:
     """Before a sharded (distributed-checkpoint) resume, from the keys the checkpoint's metadata lists.
 
     torch's loader asks the checkpoint for the state this run's rules create: a missing adam state
@@ -72,15 +71,20 @@ def check_saved_state_keys(keys: Iterable[str], update: str, elementwise_update:
     if not keys:  # saved before the first step: no rule's state yet
         return
     saved = any(key.endswith(f".{SECOND_MOMENT}") for key in keys)
-    if saved == _keeps_adam_state(update, elementwise_update):
+    if saved == (update in ("adam", "orthogonal")):  # orthogonal: adam on what it does not orthogonalize
         return
-    run = f"update={update!r}" + (f", elementwise_update={elementwise_update!r}" if update == "orthogonal" else "")
+    if update == "orthogonal":  # no adam state: the sign rule beside Newton-Schulz, or update='sign'
+        raise ValueError(
+            f"FlexDeMo: the checkpoint {where} keeps no adam state: it was trained with update='sign', or with "
+            f"{ELEMENTWISE_SIGN}. Resume with update=sign in optim_args if it was the first; the second was removed: "
+            f"{removed_reason('elementwise_update')}"
+        )
+    run = f"update={update!r}"
     if saved:
-        was = "the adam rule (update='adam', or 'orthogonal' with elementwise_update='adam', the default)"
-        write = "update=adam, or update=orthogonal,elementwise_update=adam (the default: drop both)"
+        was = "the adam rule (update='adam', or 'orthogonal')"
+        write = "update=adam, or update=orthogonal (the default: drop update)"
     else:
-        was = "no adam state (update='sign', or 'orthogonal' with elementwise_update='sign')"
-        write = "update=sign, or update=orthogonal,elementwise_update=sign"
+        was, write = "no adam state (update='sign')", "update=sign"
     raise ValueError(
         f"FlexDeMo: the checkpoint {where} was trained with {was}, but this run sets {run}; its state would not "
         f"match. Resume with {write} in optim_args, as the checkpoint was trained, or start a new run in another "
