@@ -10,8 +10,6 @@ import torch
 from hf_flexdemo.compression import (
     ChunkPlan,
     EliasFano,
-    block_members,
-    blocks_of,
     dct_matrix,
     decode_replicas,
     dequantize_tiles,
@@ -71,38 +69,6 @@ def test_scaled_topk_keeps_topks_share_of_a_full_tile(shape, k):
     plan = ChunkPlan.for_shape(shape, chunk=128, topk=128, scale_topk=True)
     assert plan.k == k == scaled_topk(128, plan.tile_size, 128)
     assert ChunkPlan.for_shape(shape, chunk=128, topk=128).k == min(128, plan.tile_size)
-
-
-@pytest.mark.parametrize(
-    "shape, scale, k, blocks, positions",
-    [
-        ((128, 64), False, 64, (4, 4), (4, 256)),
-        ((96,), False, 32, (1, 4), (8, 12)),  # one row: blocks of 1 x 4, the top 32 of a 1 x 48 tile
-        ((6, 64), False, 64, (1, 4), (16, 96)),  # a side of 6: blocks of 1 along it
-        ((5, 3, 3), False, 45, (1, 1), (45, 45)),  # neither side divides: each coefficient alone, at most the tile
-        ((64, 64), True, 64, (4, 4), (4, 256)),
-        ((32, 64), True, 32, (4, 4), (2, 128)),  # scaled: half the tile, half the blocks
-        ((64,), True, 4, (1, 4), (1, 16)),  # 1 in 64 of 64 entries: 1, in one block of 4
-    ],
-)
-def test_block_plan_picks_whole_blocks_and_sends_one_position_per_block(shape, scale, k, blocks, positions):
-    plan = ChunkPlan.for_shape(shape, chunk=64, topk=64 if len(shape) != 1 or scale else 32, scale_topk=scale, block=4)
-    assert (plan.k, (plan.block_rows, plan.block_cols), plan.index_slots) == (k, blocks, positions)
-
-
-def test_select_top_blocks_takes_the_blocks_of_most_energy_and_their_positions_round_trip():
-    plan = ChunkPlan.for_shape((128, 64), chunk=64, topk=32, block=4)
-    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(0)) * 0.01
-    x[4:8, 8:12] += 5.0  # tile 0, block row 1, block column 2: block 18
-    x[124:128, 0:4] += 3.0  # tile 1, its last block row, first column: block 240
-    x[0, 60] = 4.0  # tile 0's block 15: one large entry, the tile's second block
-    x[64:68, 4:8] += 1.0  # tile 1's block 1: 16 entries of about 1, as much energy
-    indices, values = select_topk(x, plan)
-    assert blocks_of(indices, plan).tolist() == [[15, 18], [1, 240]]
-    assert torch.equal(block_members(blocks_of(indices, plan), plan), indices)
-    assert indices[0, :5].tolist() == [60, 61, 62, 63, 124]  # block 15's rows, row-major, from position 60
-    assert torch.equal(values, x.reshape(-1)[flat_positions(indices, plan)].view(indices.shape))
-    assert torch.all(values[0, 16:] > 4.9) and torch.all(values[1, 16:] > 2.9)
 
 
 def test_plan_for_empty_shard():

@@ -17,8 +17,18 @@ def test_every_named_scheme_declares_its_own_traits():
         assert "traits" in vars(cls), f"{cls.__name__} inherits its traits"
         assert scheme_traits.traits_of(name) is cls.traits
     assert scheme_traits.schemes_where("outer_steps") == ("diloco", "sparseloco")
-    assert set(scheme_traits.schemes_where("per_step")) == {"demo", "random", "striding", "full", "lowrank"}
-    assert scheme_traits.schemes_where("low_rank") == ("lowrank",)
+    assert set(scheme_traits.schemes_where("per_step")) == {"demo", "random", "striding", "full"}
+
+
+def test_each_schemes_traits_say_which_scheme_settings_it_reads():
+    reads = {name: scheme_traits.traits_of(name).reads for name in SCHEME_CLASSES}
+    assert reads["demo"] == {"topk", "chunk", "value_dtype"}
+    assert reads["sparseloco"] == {"topk", "chunk", "inner_steps", "outer_lr", "outer_momentum", "value_dtype"}
+    assert reads["diloco"] == {"inner_steps", "outer_lr", "outer_momentum", "value_dtype"}
+    assert reads["random"] == {"rate", "seed", "value_dtype"} and reads["striding"] == {"rate", "value_dtype"}
+    assert reads["full"] == {"value_dtype"} and reads["none"] == frozenset()
+    assert all(read <= set(scheme_traits.SCHEME_SETTINGS) for read in reads.values())
+    assert scheme_traits.schemes_reading("rate") == ("random", "striding")
 
 
 @pytest.fixture
