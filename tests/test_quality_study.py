@@ -9,7 +9,7 @@ from support.launch import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "quality"))
 
-from quality_study import CONFIGS, PRESETS, SWEEPS, WIRE_PROBES, modelled_step, summarize  # noqa: E402
+from quality_study import CONFIGS, PRESETS, SWEEPS, modelled_step, summarize  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -215,8 +215,13 @@ def test_real_node_runs_without_their_own_adamw_are_measured_against_the_simulat
     assert "vs_adamw" not in table[("olmo2_10x_nodes", "none_ortho_adam")]
 
 
-def test_the_measured_probe_is_the_shipped_presets_knobs():
-    """BENCHMARKS measured ``wire=top144_c128_2bit`` as this probe: the two must stay the same settings."""
-    from hf_flexdemo.config import WIRE_PRESETS, parse_optim_args
+def test_every_configuration_is_settings_the_package_takes():
+    """A study configuration names only settings that exist and apply, so a rerun trains what its name says; a
+    preset taken out of the package is spelled out as the knobs it had (``wire=top144_c128_2bit``'s, say)."""
+    from hf_flexdemo import FlexDeMoConfig
 
-    assert parse_optim_args(WIRE_PROBES["demo_top144_chunk128_2bit_ef_scaled"]) == WIRE_PRESETS["top144_c128_2bit"]
+    for name, (optim, optim_args) in CONFIGS.items():
+        if optim == "flexdemo":
+            FlexDeMoConfig.from_optim_args(optim_args)
+    spelled = FlexDeMoConfig.from_optim_args(CONFIGS["wire_top144_c128_2bit_ortho_adam"][1])
+    assert (spelled.topk, spelled.chunk, spelled.scale_topk, spelled.value_bits) == (144, 128, True, 2)

@@ -90,8 +90,7 @@ CONFIGS = {
         for wire in RULE_WIRES
         for rule, full in (
             ("adam", "adam"),
-            ("ortho", "orthogonal,elementwise_update=sign"),
-            ("ortho_adam", "orthogonal,elementwise_update=adam"),
+            ("ortho_adam", "orthogonal"),
         )
     },
     "sparseloco": ("flexdemo", "scheme=sparseloco,inner_steps=20,topk=64,value_bits=2,pack_indices=true"),
@@ -106,7 +105,7 @@ CONFIGS = {
         f"sparseloco_h{h}_2bit_ortho_adam": (
             "flexdemo",
             f"scheme=sparseloco,inner_steps={h},topk=32,value_bits=2,pack_indices=true,index_coding=elias_fano,"
-            "update=orthogonal,elementwise_update=adam",
+            "update=orthogonal",
         )
         for h in (3, 4, 5)
     },
@@ -119,7 +118,7 @@ CONFIGS = {
         f"sparseloco_h{h}_top{k}_2bit_ortho_adam": (
             "flexdemo",
             f"scheme=sparseloco,inner_steps={h},topk={k},value_bits=2,pack_indices=true,index_coding=elias_fano,"
-            "update=orthogonal,elementwise_update=adam",
+            "update=orthogonal",
         )
         for h, k in ((2, 16), (8, 64), (16, 128), (9, 72), (12, 96), (4, 128), (4, 512))
     },
@@ -130,7 +129,7 @@ CONFIGS = {
         f"sparseloco_h8_top64_2bit_ortho_adam_{name}": (
             "flexdemo",
             "scheme=sparseloco,inner_steps=8,topk=64,value_bits=2,pack_indices=true,index_coding=elias_fano,"
-            f"update=orthogonal,elementwise_update=adam,{setting}",
+            f"update=orthogonal,{setting}",
         )
         for name, setting in (
             ("outer_lr1", "outer_lr=1.0"),
@@ -147,7 +146,7 @@ CONFIGS = {
         f"sparseloco_h{h}_c128_2bit_ortho_adam{suffix}": (
             "flexdemo",
             f"scheme=sparseloco,inner_steps={h},topk={k},chunk=128,scale_topk=true,value_bits=2,pack_indices=true,"
-            f"index_coding=elias_fano,update=orthogonal,elementwise_update=adam{setting}",
+            f"index_coding=elias_fano,update=orthogonal{setting}",
         )
         for h, k in ((4, 144), (8, 288))
         for suffix, setting in (("", ""), ("_ef0.8", ",outer_momentum=0.8"))
@@ -155,35 +154,24 @@ CONFIGS = {
     "sparseloco_h4_2bit_ortho_adam_ef0.8": (
         "flexdemo",
         "scheme=sparseloco,inner_steps=4,topk=32,value_bits=2,pack_indices=true,index_coding=elias_fano,"
-        "update=orthogonal,elementwise_update=adam,outer_momentum=0.8",
+        "update=orthogonal,outer_momentum=0.8",
     ),
     # Where the outer steps' loss goes: the same outer steps every 4 steps with the whole pseudo-gradient averaged
     # (DiLoCo with Muon inside, its outer Nesterov step; 3x to 4x fewer bytes than dense), and SparseLoCo's top 32
     # with float32 values and 16-bit indices (no quantization)
-    "diloco_h4_ortho_adam": ("flexdemo", "scheme=diloco,inner_steps=4,update=orthogonal,elementwise_update=adam"),
+    "diloco_h4_ortho_adam": ("flexdemo", "scheme=diloco,inner_steps=4,update=orthogonal"),
     # ... and the parameters averaged every 4 steps (no outer momentum, outer_lr=1): local Muon's steps
     "diloco_h4_avg_ortho_adam": (
         "flexdemo",
-        "scheme=diloco,inner_steps=4,outer_lr=1.0,outer_momentum=0.0,update=orthogonal,elementwise_update=adam",
+        "scheme=diloco,inner_steps=4,outer_lr=1.0,outer_momentum=0.0,update=orthogonal",
     ),
     "sparseloco_h4_f32_ortho_adam": (
         "flexdemo",
-        "scheme=sparseloco,inner_steps=4,topk=32,update=orthogonal,elementwise_update=adam",
+        "scheme=sparseloco,inner_steps=4,topk=32,update=orthogonal",
     ),
     # The control: nothing crosses nodes, each node trains alone with the default rule (what the wire is worth)
-    "none_ortho_adam": ("flexdemo", "scheme=none,update=orthogonal,elementwise_update=adam"),
-    # Issue 45, direction 2: one side of rank-r factors a step, in a basis every replica shares (no indices);
-    # on OLMo2 (--wire_bytes) rank 1 at 1 bit is 4,678x fewer bytes than dense, rank 4 at 1 bit 1,273x
-    **{
-        f"lowrank_r{r}{f'_{bits}bit' if bits else ''}_ortho_adam": (
-            "flexdemo",
-            f"scheme=lowrank,factor_rank={r},value_bits={bits},update=orthogonal,elementwise_update=adam",
-        )
-        # 0: float32 values; the rest trade rank for bits at about 1,300x (r x bits = 4) and 330x (16)
-        for r, bits in ((1, 1), (4, 1), (2, 2), (1, 4), (8, 1), (16, 1), (4, 4), (2, 8), (4, 0), (16, 0))
-    },
+    "none_ortho_adam": ("flexdemo", "scheme=none,update=orthogonal"),
 }
-LOWRANK = tuple(name for name in CONFIGS if name.startswith("lowrank_"))
 OUTER_STEP_PROBES = tuple(
     name
     for name in CONFIGS
@@ -232,42 +220,27 @@ WIRE_PROBES = {
     # Issue 45, direction 3 (its simplest form): `wire=2bit`'s exchange every 3 steps, the gradients of the steps
     # between accumulated in the momentum (replicate_every), so about 1,000x fewer bytes per step than dense
     "demo_2bit_every3": "topk=32,value_bits=2,pack_indices=true,index_coding=elias_fano,replicate_every=3",
-    # Issue 45: the top-k in blocks (topk_block), one Elias-Fano index per block, so at about 1,000x a 64 x 64 tile
-    # carries 64 coefficients at 1 bit (4 blocks of 4 x 4: 128 bits) or 28 (7 of 2 x 2: 124 bits), where DeMo's
-    # per-coefficient top-k fits 8 (128 bits); and at about `2bit`'s bytes (334x), 224 in 4 x 4 blocks
-    "demo_top64_block4_1bit_ef": "topk=64,topk_block=4,value_bits=1,pack_indices=true,index_coding=elias_fano",
-    # ... with every tile at that share (scale_topk): a norm's 64 entries send one block of 4, not all 64
-    "demo_top64_block4_1bit_ef_scaled": (
-        "topk=64,topk_block=4,scale_topk=true,value_bits=1,pack_indices=true,index_coding=elias_fano"
-    ),
-    "demo_top28_block2_1bit_ef": "topk=28,topk_block=2,value_bits=1,pack_indices=true,index_coding=elias_fano",
-    "demo_top224_block4_1bit_ef": "topk=224,topk_block=4,value_bits=1,pack_indices=true,index_coding=elias_fano",
-    # Issue 45: most coefficients at positions every replica derives from the decoded updates (no indices), a
-    # small top-k with indices beside them. About 1,000x: 64 x 64 tiles, 64 derived at 1 bit and the top 1
-    # (143 bits a tile); 128 x 128 tiles, 384 derived and the top 4 (508 bits) or 448 and the top 1 (527 bits).
-    "derived_c64_d64_top1_1bit": "derived_topk=64,topk=1,value_bits=1,pack_indices=true,index_coding=elias_fano",
-    "derived_c128_d384_top4_1bit": (
-        "derived_topk=384,topk=4,chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
-    ),
-    "derived_c128_d448_top1_1bit": (
-        "derived_topk=448,topk=1,chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
-    ),
-    # Fewer derived, a larger top-k beside them (about 505 bits a 128 x 128 tile)
-    "derived_c128_d256_top12_1bit": (
-        "derived_topk=256,topk=12,chunk=128,value_bits=1,pack_indices=true,index_coding=elias_fano"
-    ),
-    # About wire=2bit's bytes (372 bits a tile against its 384): 256 derived at 1 bit and the top 4
-    "derived_c64_d256_top4_1bit": "derived_topk=256,topk=4,value_bits=1,pack_indices=true,index_coding=elias_fano",
 }
 """Issue 35: more of each tile's coefficients on the wire (DeMo sends 32 of 4,096): how the default rule's loss
 moves between DeMo's wire and the uncompressed one, and at equal bytes, more coefficients at fewer bits."""
 CONFIGS |= {
-    f"{wire}_ortho_adam": ("flexdemo", f"{args},update=orthogonal,elementwise_update=adam")
+    f"{wire}_ortho_adam": ("flexdemo", f"{args},update=orthogonal")
     for wire, args in WIRE_PROBES.items()
 }
 CONFIGS |= {
-    f"wire_{preset}_ortho_adam": ("flexdemo", f"wire={preset},update=orthogonal,elementwise_update=adam")
+    f"wire_{preset}_ortho_adam": ("flexdemo", f"wire={preset},update=orthogonal")
     for preset in WIRE_PRESETS
+}
+CONFIGS |= {  # presets taken out of the package (commit 17d8727): their knobs, spelled out
+    "wire_top128_4bit_ortho_adam": ("flexdemo", f"{WIRE_PROBES['demo_top128_4bit_ef']},update=orthogonal"),
+    "wire_top144_c128_2bit_ortho_adam": (
+        "flexdemo",
+        f"{WIRE_PROBES['demo_top144_chunk128_2bit_ef_scaled']},update=orthogonal",
+    ),
+    "wire_top16_2bit_ortho_adam": (
+        "flexdemo",
+        "topk=16,value_bits=2,pack_indices=true,index_coding=elias_fano,update=orthogonal",
+    ),
 }
 """The ``wire=`` presets as a user names them. Those that code indices in Elias-Fano send the same coefficients
 as their fixed-width twins above (``demo_2bit_ortho_adam`` for ``wire=2bit``), so their runs are the twins' runs
@@ -281,23 +254,13 @@ CONFIGS |= {
         ",".join(
             filter(
                 None,
-                ((SIGN_CONFIGS | WIRE_PROBES)[wire], "update=orthogonal,elementwise_update=adam", f"decay={decay}"),
+                ((SIGN_CONFIGS | WIRE_PROBES)[wire], "update=orthogonal", f"decay={decay}"),
             )
         ),
     )
     for wire in ("demo", "demo_2bit", "demo_top24_2bit", "demo_aggressive", "demo_top6_1bit")
     for decay in MOMENTUM_DECAYS
 }
-CONFIGS |= {
-    f"{wire}_ortho_adam_ns{steps}": (
-        "flexdemo",
-        ",".join(filter(None, (SIGN_CONFIGS[wire], f"update=orthogonal,elementwise_update=adam,ns_steps={steps}"))),
-    )
-    for wire in ("demo", "demo_2bit")
-    for steps in (3, 4)
-}
-"""Issue 46: Newton-Schulz with fewer iterations (``ns_steps``), on the default wire and on ``wire=2bit``'s
-coefficients."""
 
 # The learning rates swept on seed 0, per model. OLMo2's come from the 150-step pilot
 # (BENCHMARKS.md): each configuration's best rate there and twice it where the best sat at the
@@ -308,7 +271,7 @@ SIGN_UPDATE = (4e-3, 8e-3)
 AT_DEMOS_T5_RATE = ("demo_bf16", "demo_sign", "demo_4bit", "demo_2bit", "demo_top16_2bit", "demo_top24_2bit")
 AT_DEMOS_T5_RATE += ("demo_top64_2bit", "demo_aggressive", "demo_shared", "full", "random", "striding")
 UPDATE_RULE_CONFIGS = tuple(
-    name for name in CONFIGS if name.endswith(("_adam", "_ortho")) or "_decay" in name or "_ortho_adam_ns" in name
+    name for name in CONFIGS if name.endswith("_adam") or "_decay" in name
 )
 UPDATE_RULE_RATES = (4e-3, 8e-3, 1.6e-2)
 """The rules take steps of about a sign step's size per entry: swept around sign's best (OLMo2's 8e-3),
@@ -316,7 +279,7 @@ extended downwards where the best sat at the bottom."""
 AT_ORTHO_ADAMS_RATE = tuple(f"{wire}_ortho_adam" for wire in RULE_WIRES if wire not in ("demo", "full"))
 """Wire formats with the orthogonal + adam rule: run at demo_ortho_adam's chosen rate, found by its sweep in
 the same study (as the sign wire formats at demo's on T5). Their ``SWEEPS`` entry is the fallback."""
-AT_DEMOS_RULE_RATE = {f"full_{rule}": f"demo_{rule}" for rule in ("adam", "ortho", "ortho_adam")}
+AT_DEMOS_RULE_RATE = {f"full_{rule}": f"demo_{rule}" for rule in ("adam", "ortho_adam")}
 """The uncompressed wire with a rule: run at the rate the rule chose on DeMo's wire, so that the two rows
 differ only in the compression."""
 SWEEPS = {
@@ -337,7 +300,6 @@ SWEEPS = {
             ("sparseloco_h3_2bit_ortho_adam", "sparseloco_h4_2bit_ortho_adam", "sparseloco_h5_2bit_ortho_adam"),
             (4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2),
         ),
-        **dict.fromkeys(LOWRANK, (4e-3, 8e-3, 1.6e-2)),  # from the default's rate up
         **dict.fromkeys(OUTER_STEP_PROBES, (8e-3, 1.6e-2, 3.2e-2)),
     },
     "t5": {
@@ -351,8 +313,6 @@ SWEEPS = {
         "sparseloco": (2e-3, 4e-3),
         "sparseloco_h3_2bit": (4e-3, 8e-3, 1.6e-2),
         **dict.fromkeys(("sparseloco_h4_2bit_ortho_adam", "sparseloco_h5_2bit_ortho_adam"), (8e-3, 1.6e-2, 3.2e-2)),
-        # from the default's T5 rate up
-        **dict.fromkeys(LOWRANK, (8e-3, 1.6e-2)),
         **dict.fromkeys(OUTER_STEP_PROBES, (8e-3, 1.6e-2, 3.2e-2)),
     },
     # At scale: each side's small-scale best and the next rate in the direction larger models move (down), the
@@ -374,7 +334,7 @@ SWEEPS = {
     # Fine-tuning: swept from 2.5e-4 (fine-tuning often wants small steps) up to where the loss turns
     # (8e-3 won at the top of 2.5e-4..8e-3 for AdamW-HSDP, demo and orthogonal + adam, hence 1.6e-2).
     "olmo2_ft": {name: (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2) for name in CONFIGS}
-    | {"demo_adam": (2e-3, 4e-3, 8e-3, 1.6e-2), "demo_ortho": (4e-3, 8e-3, 1.6e-2)}  # about the others' best (8e-3)
+    | {"demo_adam": (2e-3, 4e-3, 8e-3, 1.6e-2)}  # about the others' best (8e-3)
     | {"sparseloco_h4_2bit_ortho_adam": (4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2)},  # as on pretraining: the best at the top
     # The 10x model on real nodes, for what one process cannot simulate (replicas that drift apart): each side at the
     # default's 10x rate, the outer steps from twice it up (at 1.6M their best was 2x-4x the default's)

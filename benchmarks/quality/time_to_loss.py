@@ -37,12 +37,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RATES = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9}
 PRESET_CONFIGS = {  # wire= preset: the study's configuration with the default rule (the same coefficients)
     "demo": "demo_ortho_adam",
-    "top128_4bit": "demo_top128_4bit_ef_ortho_adam",
     "top96_2bit": "demo_top96_2bit_ortho_adam",
     "2bit": "demo_2bit_ortho_adam",
-    "top144_c128_2bit": "demo_top144_chunk128_2bit_ef_scaled_ortho_adam",
     "top24_2bit": "demo_top24_2bit_ortho_adam",
-    "top16_2bit": "demo_top16_2bit_ortho_adam",
     "top4_1bit": "demo_aggressive_ortho_adam",
 }
 OUTER_STEP_POINTS = {  # a study configuration that sends a wire= preset's coefficients every H steps: (preset, H)
@@ -156,7 +153,6 @@ def frontier_plot(study: Path, out: Path, min_seeds: int = 3, also: list[Path] =
             "^",
         ),
         ("SparseLoCo, the default rule's step inside", lambda n: n.startswith("sparseloco") and "_ortho" in n, "v"),
-        ("low-rank factors (scheme=lowrank), the default rule", lambda n: n.startswith("lowrank"), "P"),
     ]:
         points = [
             (row["ratio_to_dense"], 100 * row["vs_adamw"], name.removesuffix("_ortho_adam") + m.removeprefix(model))

@@ -39,7 +39,7 @@ def preset_bytes(shapes: list[torch.Size], preset: str) -> int:
     wire = TopKWire(config)
     total = 0
     for shape in shapes:
-        plan = ChunkPlan.for_shape(shape, config.chunk, config.topk, config.scale_topk, config.topk_block)
+        plan = ChunkPlan.for_shape(shape, config.chunk, config.topk, config.scale_topk)
         if plan.n_tiles == 0:
             continue
         indices = torch.zeros(plan.n_tiles, plan.k, dtype=torch.int64)

@@ -57,7 +57,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from hf_flexdemo import FlexDeMo, elementwise_parameters
 from hf_flexdemo.buckets import ParamSlot, build_buckets
-from hf_flexdemo.config import DEFAULT_ELEMENTWISE_UPDATE, NS_DTYPES
+from hf_flexdemo.config import ELEMENTWISE_UPDATE, NS_DTYPES
 from hf_flexdemo.state_store import StateView
 from hf_flexdemo.updates import with_elementwise_groups
 from hf_flexdemo.updates.orthogonal import OrthogonalRule, deal_owners, scaled_newton_schulz
@@ -225,7 +225,7 @@ def node_shard_plan(model: torch.nn.Module, n: int, rank: int = 0) -> NodeShardP
     table_ids = {id(p) for p in tables}
     params = [p for p in model.parameters() if p.requires_grad]
     slots_by_group, index = [], 0
-    for group in with_elementwise_groups(params, tables, DEFAULT_ELEMENTWISE_UPDATE):
+    for group in with_elementwise_groups(params, tables, ELEMENTWISE_UPDATE):
         rule = {"update": group.get("update", OrthogonalRule.name)}  # the optimizer's default rule for demo
         slots = []
         for p in group["params"]:
@@ -317,13 +317,13 @@ def node_rank_ms(args: argparse.Namespace, plan: NodeShardPlan, ns_dtype: torch.
         # The default rule less its Newton-Schulz: sign's few element-wise ops stand in for the subtraction
         # of each matrix's orthogonalized rows; the rest take the element-wise rule as they would.
         "pipeline": lambda: FlexDeMo(
-            [{"params": matrices}, {"params": others, "update": DEFAULT_ELEMENTWISE_UPDATE}], update="sign", **settings
+            [{"params": matrices}, {"params": others, "update": ELEMENTWISE_UPDATE}], update="sign", **settings
         ),
     }
     if device == "cuda":  # the fused kernels (kernels='triton'), the same configurations
         makers["flexdemo sign, triton"] = lambda: FlexDeMo(params, update="sign", kernels="triton", **settings)
         makers["pipeline, triton"] = lambda: FlexDeMo(
-            [{"params": matrices}, {"params": others, "update": DEFAULT_ELEMENTWISE_UPDATE}],
+            [{"params": matrices}, {"params": others, "update": ELEMENTWISE_UPDATE}],
             update="sign", kernels="triton", **settings,
         )  # fmt: skip
     times = {}

@@ -54,8 +54,7 @@ CONFIGS = {  # the figures in BENCHMARKS.md took sign steps (the default then): 
     "flexdemo full": dict(scheme="full", update="sign"),
     # Update rules (hf_flexdemo.updates); orthogonal leaves the embedding to the element-wise rule, as the Trainer does.
     "flexdemo demo update=adam": dict(scheme="demo", update="adam"),
-    "flexdemo demo update=orthogonal": dict(scheme="demo", update="orthogonal", elementwise_update="sign"),
-    "flexdemo demo orthogonal + adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam"),
+    "flexdemo demo orthogonal + adam": dict(scheme="demo", update="orthogonal"),
 }
 VOCAB = T5Config().vocab_size
 
