@@ -1,8 +1,8 @@
 """MkDocs hooks (``hooks:`` in mkdocs.yml). Two jobs, both so that the site cannot drift from the repository:
 
-- the settings reference: ``docs/settings.md`` holds a marker line, replaced at build time by one table per group of
-  :class:`hf_flexdemo.FlexDeMoConfig`'s settings (``SETTING_GROUPS``), made from their dataclass fields (name, type,
-  default, ``metadata["help"]``);
+- the settings reference: ``docs/settings.md`` holds a marker line, replaced at build time by the tables of
+  :class:`hf_flexdemo.FlexDeMoConfig`'s settings (the common ones first, then one per group of ``SETTING_GROUPS``,
+  the wire's knobs last), made from their dataclass fields (name, type, default, ``metadata["help"]``);
 - the repository's own Markdown: ``README.md`` becomes the home page and ``BENCHMARKS.md`` the benchmark results,
   with the plots they show, and every relative link is written as it works on GitHub (from the file's place in
   the repository, ``docs/...`` included) and mapped here to the page or file it names on the site.
@@ -76,20 +76,19 @@ def _site_link(match: re.Match, repo_page: str, site_page: str) -> str:
 
 
 def settings_table() -> str:
-    """One table per group of FlexDeMoConfig's settings (``SETTING_GROUPS``), one row per field, in the code's order."""
+    """The settings most users touch first (``COMMON_SETTINGS``), then the rest, one table per group of
+    FlexDeMoConfig's settings (``SETTING_GROUPS``) in the code's order, and the wire's own knobs apart
+    (``ADVANCED_WIRE_SETTINGS``): one row per field."""
     sys.path.insert(0, str(ROOT))
-    from hf_flexdemo.config import GROUP_KEYS, SETTING_GROUPS
+    from hf_flexdemo.config import ADVANCED_WIRE_SETTINGS, COMMON_SETTINGS, GROUP_KEYS, SETTING_GROUPS
 
     flags = _trainer_flags()
-    sections = []
-    for group in SETTING_GROUPS:
-        rows = [
-            f"### {group.__name__}: {group.__doc__.strip().splitlines()[0]}",
-            "",
-            "| setting | type | default | set with | per group | meaning |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ]
-        for field in dataclasses.fields(group):
+    fields = {field.name: field for group in SETTING_GROUPS for field in dataclasses.fields(group)}
+
+    def table(heading: str, names) -> str:
+        rows = [heading, "", "| setting | type | default | set with | per group | meaning |", "|---|---|---|---|---|---|"]
+        for name in names:
+            field = fields[name]
             help_text = field.metadata.get("help", "")
             if not help_text:
                 log.warning("FlexDeMoConfig.%s has no metadata['help']: the settings page needs one", field.name)
@@ -104,7 +103,15 @@ def settings_table() -> str:
                 _cell(help_text),
             ]
             rows.append("| " + " | ".join(cells) + " |")
-        sections.append("\n".join(rows))
+        return "\n".join(rows)
+
+    apart = set(COMMON_SETTINGS) | set(ADVANCED_WIRE_SETTINGS)
+    sections = [table("### The settings most users touch", COMMON_SETTINGS)]
+    for group in SETTING_GROUPS:
+        rest = [field.name for field in dataclasses.fields(group) if field.name not in apart]
+        if rest:
+            sections.append(table(f"### {group.__name__}: {group.__doc__.strip().splitlines()[0]}", rest))
+    sections.append(table("### Advanced: the wire's knobs", ADVANCED_WIRE_SETTINGS))
     return "\n\n".join(sections)
 
 

@@ -21,6 +21,7 @@ from support.ft_nodes import Lighthouse, Node, free_port, wait_until
 from hf_flexdemo import FlexDeMo
 from hf_flexdemo.fault_tolerance.timeline import PHASES, RoundClock
 from hf_flexdemo.integrations.checkpoints import MARKER
+from hf_flexdemo.scheme_traits import SCHEME_SETTINGS, traits_of
 from hf_flexdemo.topology import ReplicaTopology, parameter_fingerprint
 
 pytest.importorskip("torchft", reason="torchft is part of the test install (setup.cfg [test])")
@@ -32,7 +33,7 @@ TINY = (
 """Weight decay on: under a quorum it waits for the commit and any catch-up (the rules' pass applies it)."""
 ALL_SCHEMES = ("demo", "random", "striding", "full", "diloco", "sparseloco", "demo_shared")
 UPDATE_RULES = {
-    "demo_ortho_adam": dict(update="orthogonal", elementwise_update="adam"),
+    "demo_ortho_adam": dict(update="orthogonal"),
     "demo_adam": dict(update="adam"),
 }
 """Update rules on demo's wire (hf_flexdemo.updates): adam keeps shared state that healing copies."""
@@ -639,13 +640,19 @@ def _tiny_params(seed: int = 0):
     return [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((16, 12), (7,), (5, 3, 3))]
 
 
+def _read_by_the_scheme(hp: dict) -> dict:
+    """``hp`` less the settings its scheme does not read (topk on diloco, rate on demo): given, they are refused."""
+    reads = traits_of(hp.get("scheme", "demo")).reads
+    return {key: value for key, value in hp.items() if key not in SCHEME_SETTINGS or key in reads}
+
+
 def _grads(step: int, params):
     g = torch.Generator().manual_seed(1000 + step)
     return [torch.randn(p.shape, generator=g) for p in params]
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("scheme", [*ALL_SCHEMES, "none", "lowrank", *UPDATE_RULES])
+@pytest.mark.parametrize("scheme", [*ALL_SCHEMES, "none", *UPDATE_RULES])
 def test_a_step_the_node_does_not_commit_leaves_no_trace(scheme):
     """Steps 1, 2 commit, step 3 does not, step 4 does: the same as a twin that never saw step 3."""
     hp = dict(scheme=scheme, lr=0.05, weight_decay=0.1, topk=3, chunk=4, rate=0.25, inner_steps=2, value_bits=0)
@@ -655,8 +662,7 @@ def test_a_step_the_node_does_not_commit_leaves_no_trace(scheme):
         hp.update(value_bits=2, rounding="stochastic")
     if scheme == "demo_shared":
         hp.update(scheme="demo", shared_indices=True)
-    if scheme == "lowrank":  # its basis and side move only with a committed step
-        hp.update(factor_rank=2, value_bits=2, rounding="stochastic")
+    hp = _read_by_the_scheme(hp)
     params, twins = _tiny_params(), _tiny_params()
     opt, twin = FlexDeMo(params, **hp), FlexDeMo(twins, **hp)
     opt.attach_managed(OneReplicaQuorum([True, True, False, True]))
@@ -710,7 +716,7 @@ def test_a_healing_node_takes_parameters_shared_state_and_the_learning_rate(sche
     hp = dict(scheme=scheme.removesuffix("_shared"), shared_indices=scheme == "demo_shared")
     if scheme in UPDATE_RULES:
         hp.update(scheme="demo", **UPDATE_RULES[scheme])
-    hp.update(lr=0.05, topk=3, chunk=4, inner_steps=3)
+    hp = _read_by_the_scheme(hp | dict(lr=0.05, topk=3, chunk=4, inner_steps=3))
     peer_params, mine = _tiny_params(0), _tiny_params(1)
     peer, node = FlexDeMo(peer_params, **hp), FlexDeMo(mine, **hp)
     for step in range(4):
@@ -754,9 +760,7 @@ REPLAYED = {
     "demo_ortho_adam": dict(scheme="demo", **UPDATE_RULES["demo_ortho_adam"]),
     "demo_adam": dict(scheme="demo", **UPDATE_RULES["demo_adam"]),
     "demo_shared": dict(scheme="demo", shared_indices=True),
-    "demo_derived": dict(scheme="demo", derived_topk=64, topk=4, value_bits=1, pack_indices=True),
     "random": dict(scheme="random"),
-    "lowrank": dict(scheme="lowrank", factor_rank=2, value_bits=1),  # the shared basis follows the replayed payloads
     "demo_every_2": dict(scheme="demo", replicate_every=2),  # the peer's synchronize() exchanges: replayed too
 }
 """Schemes that replay (``full`` sends every entry: one of its steps is already a copy of the state)."""
@@ -772,7 +776,7 @@ def lagging_pair(settings: dict, replay_steps: int | None = None, missed: int = 
     # before_forward: the peer's and the node's synchronize() rounds commit (nodes that join when ready skip them;
     # the slow-node tests cover replay there, node against node)
     hp = dict(lr=0.05, weight_decay=0.1, topk=4, chunk=16, rate=1 / 64, fault_tolerance="torchft")
-    hp |= dict(join_quorum="before_forward") | settings
+    hp = _read_by_the_scheme(hp | dict(join_quorum="before_forward") | settings)
     peer_params, mine = _wide_params(), _wide_params()
     peer, node = FlexDeMo(peer_params, replay_steps=replay_steps, **hp), FlexDeMo(mine, **hp)
     peer.attach_managed(LaggingPeers(behind=[2]))
@@ -816,7 +820,7 @@ ENCODES_FIRST = dict(scheme="demo", value_bits=2)
 (stochastic rounding draws by the quorum's step and rank, so it encodes after joining)."""
 
 
-ENCODES_FROM_SHARED = ("demo_shared", "demo_derived", "lowrank")
+ENCODES_FROM_SHARED = ("demo_shared",)
 """Replayed schemes whose payload reads state every replica holds alike, which the missed steps change."""
 
 
@@ -825,7 +829,7 @@ ENCODES_FROM_SHARED = ("demo_shared", "demo_derived", "lowrank")
 @pytest.mark.parametrize("name", ENCODES_FROM_SHARED)
 def test_a_node_with_steps_to_replay_encodes_its_next_payload_from_the_peers_shared_state(name, join_quorum):
     """A training step right after a heal: the missed steps are replayed before the payload is made, or the node
-    would send at the wrong index set or in the wrong basis (of another size: the exchange would hang)."""
+    would send at the wrong index set (the exchange would carry the wrong coefficients)."""
     peer, node, peer_params, mine = lagging_pair(REPLAYED[name] | {"join_quorum": join_quorum})
     assert node.scheme.encodes_from_shared_state
     node.load_replica_state(peer.replica_state())
@@ -854,7 +858,7 @@ def test_a_node_with_steps_to_replay_encodes_its_next_payload_from_the_peers_sha
 def test_a_node_replays_before_encoding_only_when_all_its_processes_hold_the_same_missed_steps(monkeypatch):
     """One process whose recovery failed holds no missed steps: the node replays at the commit, as otherwise (that
     commit fails), not half of it before encoding."""
-    peer, node, _, _ = lagging_pair(REPLAYED["lowrank"])
+    peer, node, _, _ = lagging_pair(REPLAYED["demo_shared"])
     node.load_replica_state(peer.replica_state())
     replayed = []
     monkeypatch.setattr(node.quorum.replica, "catch_up", lambda: replayed.append(True))
