@@ -12,12 +12,18 @@ import warnings
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from support.tiny_hf import dataset, tiny_model, tokenizer
 from transformers import Trainer, TrainingArguments
 
 import hf_flexdemo  # noqa: F401  (the Trainer glue)
-from hf_flexdemo.integrations.resume import MODEL_FOLDER, check_checkpoint_model, stop_if_complete
+from hf_flexdemo.integrations.resume import (
+    MODEL_FOLDER,
+    check_checkpoint_model,
+    check_saved_settings,
+    stop_if_complete,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -93,3 +99,52 @@ def test_a_relaunched_finished_run_trains_and_writes_nothing(tmp_path):
         relaunch.train()
     assert stopped.value.code == 0 and relaunch.state.global_step == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == before == ["checkpoint-2", "trainer_state.json"]
+
+
+def saved_args(folder, optim_args: str, optim: str = "flexdemo"):
+    """A checkpoint's ``training_args.bin`` as the Trainer pickles it, from a run launched with ``optim_args``
+    (written after construction: an older version took settings this one refuses)."""
+    folder.mkdir(exist_ok=True)
+    args = TrainingArguments(str(folder), optim=optim, use_cpu=True, report_to="none")
+    args.optim_args = optim_args
+    torch.save(args, folder / "training_args.bin")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "optim_args, removed",
+    [
+        ("topk=32,topk_block=2", "topk_block was removed"),
+        ("scheme=lowrank,factor_rank=2", "scheme=lowrank was removed"),
+        ("wire=top128_4bit", "wire=top128_4bit was removed"),
+        ("update=orthogonal, ns_steps=4", "ns_steps was removed"),
+    ],
+)
+def test_a_checkpoint_trained_with_a_removed_setting_is_refused_saying_why_and_where(tmp_path, optim_args, removed):
+    checkpoint = saved_args(tmp_path / "checkpoint-4", optim_args)
+    with pytest.raises(ValueError) as refused:
+        check_saved_settings(checkpoint)
+    message = str(refused.value)
+    assert message.startswith(f"Resuming from {checkpoint} is refused: it was trained with ") and removed in message
+    assert "BENCHMARKS.md, 'Findings: options taken out'" in message and "commit 17d8727" in message
+
+
+def test_a_checkpoint_of_kept_settings_or_of_another_optimizer_passes(tmp_path):
+    check_saved_settings(saved_args(tmp_path / "checkpoint-1", "wire=2bit,topk=32"))
+    check_saved_settings(saved_args(tmp_path / "checkpoint-2", "topk_block=2", optim="adamw_torch"))
+    check_saved_settings(tmp_path / "checkpoint-3")  # nothing saved there: nothing to check
+
+
+def test_resuming_a_checkpoint_of_a_removed_setting_is_refused_before_anything_loads(tmp_path):
+    tok = tokenizer()
+    args = TrainingArguments(
+        str(tmp_path), optim="flexdemo", optim_args="topk=8,chunk=16", use_cpu=True, max_steps=1, save_steps=1,
+        per_device_train_batch_size=2, report_to="none", dataloader_pin_memory=False,
+    )  # fmt: skip
+    Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=4)).train()
+    saved_args(tmp_path / "checkpoint-1", "topk=8,chunk=16,decode=mean")  # as a run of 17d8727 saved it
+    args.max_steps = 2
+    resumed = Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=4))
+    with pytest.raises(ValueError, match=r"checkpoint-1 is refused: it was trained with decode=mean, and decode was"):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 0

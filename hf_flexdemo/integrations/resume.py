@@ -4,6 +4,9 @@
   resumed by the T5 script, or a T5 of another size) is refused once, naming both models;
   torch's loader would fail on every process ("Missing key in checkpoint state_dict:
   model.shared.weight.", or a size mismatch), each with its traceback.
+- :func:`check_saved_settings`: a checkpoint trained with a setting, scheme or wire preset that was taken out
+  (:mod:`hf_flexdemo.removed`) is refused, saying why and where the finding is; its state was made by code this
+  version does not have (``scheme=lowrank``'s basis, say), so torch's loader would fail or train on it wrongly.
 - :func:`stop_if_complete`: a relaunch of a run that reached ``max_steps`` (or
   ``num_train_epochs``) and saved its final state says so in one line and exits with nothing
   changed.
@@ -11,7 +14,7 @@
   and a script that goes on to evaluate and save after ``train()`` would overwrite the final
   model.
 
-Both read what is on disk: the checkpoint's ``config.json`` (the scripts write it into every
+They read what is on disk: the checkpoint's ``training_args.bin`` (the run's ``optim_args``), ``config.json`` (the scripts write it into every
 checkpoint), the distributed checkpoint's metadata (``pytorch_model_fsdp_0/.metadata``, the
 names and shapes of the saved tensors), and the ``trainer_state.json`` of the checkpoint and
 of ``output_dir``.
@@ -22,10 +25,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from ..removed import REMOVED_SETTINGS, removed_reason
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +76,38 @@ def check_checkpoint_model(checkpoint: Path, model: torch.nn.Module | None) -> N
             "(--resume_from_checkpoint with the same script and model settings), or start afresh in another "
             "--output_dir."
         )
+
+
+TRAINING_ARGS = "training_args.bin"
+"""The Trainer pickles its ``TrainingArguments`` into every checkpoint under this name."""
+
+
+def saved_optim_args(checkpoint: Path) -> str | None:
+    """The ``optim_args`` the checkpoint's run was launched with, or None where it saved none (or no FlexDeMo)."""
+    try:
+        # The run's own pickle (its TrainingArguments), as Trainer._load_rng_state reads the checkpoint's rng state.
+        saved = torch.load(checkpoint / TRAINING_ARGS, weights_only=False)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, AttributeError, ImportError):
+        # no file, a truncated one, or a pickle of classes this install lacks: nothing to check
+        return None
+    optim = getattr(saved, "optim", None)
+    if getattr(optim, "value", optim) != "flexdemo":  # the Trainer's OptimizerNames member, or its name
+        return None
+    return getattr(saved, "optim_args", None) or None
+
+
+def check_saved_settings(checkpoint: Path) -> None:
+    """Raise ValueError if the checkpoint was trained with a setting or value that was taken out."""
+    text = saved_optim_args(checkpoint)
+    for item in (text or "").split(","):
+        key, _, value = "".join(item.split()).partition("=")
+        reason = removed_reason(key, value)
+        if reason is not None:
+            what = key if key in REMOVED_SETTINGS else f"{key}={value}"
+            raise ValueError(
+                f"Resuming from {checkpoint} is refused: it was trained with {key}={value}, and {what} was "
+                f"removed: {reason} Or start a new run in another --output_dir."
+            )
 
 
 def _saved_model_type(checkpoint: Path) -> str | None:

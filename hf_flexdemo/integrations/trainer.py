@@ -40,7 +40,7 @@ from .accelerate_plugin import check_flexdemo_layout, fp16_refusal
 from .callback import FlexDeMoCallback
 from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
 from .patches import applies, located, wrap
-from .resume import check_checkpoint_model, stop_if_complete
+from .resume import check_checkpoint_model, check_saved_settings, stop_if_complete
 from .simulation import check_simulation_args
 from .training_args import (
     OPTIM_NAME,
@@ -231,6 +231,7 @@ def _trainer_train(original, self, resume_from_checkpoint=None, *args, **kwargs)
         check_checkpoint_model(Path(resume), self.model)
         stop_if_complete(Path(resume), self.args)
     if resume is not None and is_flexdemo(self.args):
+        check_saved_settings(Path(resume))  # before the rules: a removed one is the cause to name
         config = flexdemo_config(self.args)
         _check_resumed_rules(Path(resume), config)
         if config.fault_tolerant:
