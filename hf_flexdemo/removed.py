@@ -66,25 +66,28 @@ REMOVED_VALUES: dict[tuple[str, str], tuple[str, str]] = {
 """Values of a kept setting taken out: (setting, value) -> (why; what to write instead)."""
 
 
-def removed_reason(key: str, value: Any = None) -> str | None:
-    """``"<why>. The finding: ...; the code: commit ... Instead, ..."`` if ``key`` (or ``key=value``) was taken out,
-    else None."""
+def _entry(key: str, value: Any) -> tuple[str, str] | None:
     if key in REMOVED_SETTINGS:
-        why, instead = REMOVED_SETTINGS[key]
-    elif isinstance(value, str) and (key, value) in REMOVED_VALUES:
-        why, instead = REMOVED_VALUES[key, value]
-    else:
-        return None
-    return f"{why}. The finding: {FINDINGS}; the code: commit {LAST_COMMIT}. Instead, {instead}."
+        return REMOVED_SETTINGS[key]
+    if isinstance(value, str) and (key, value) in REMOVED_VALUES:
+        return REMOVED_VALUES[key, value]
+    return None
+
+
+def removed_reason(key: str, value: Any = None) -> str | None:
+    """``"<why>. The finding: ...; the code: commit ...."`` if ``key`` (or ``key=value``) was taken out, else
+    None."""
+    entry = _entry(key, value)
+    return None if entry is None else f"{entry[0]}. The finding: {FINDINGS}; the code: commit {LAST_COMMIT}."
 
 
 def removed_message(key: str, value: Any = None, where: str = "FlexDeMo") -> str | None:
-    """The refusal of ``key`` (or of ``key=value``) if it was taken out, else None."""
-    reason = removed_reason(key, value)
-    if reason is None:
+    """The refusal of ``key`` (or of ``key=value``) if it was taken out, with what to write instead, else None."""
+    entry = _entry(key, value)
+    if entry is None:
         return None
     what = key if key in REMOVED_SETTINGS else f"{key}={value}"
-    return f"{where}: {what} was removed: {reason}"
+    return f"{where}: {what} was removed: {removed_reason(key, value)} Instead, {entry[1]}."
 
 
 def check_not_removed(settings: dict[str, Any], where: str = "FlexDeMo") -> None:

@@ -319,3 +319,37 @@ def test_the_optimizer_takes_every_setting_by_name_and_names_the_closest_one_to_
     assert (opt.config.lr, opt.config.topk, opt.config.scheme, opt.defaults["lr"]) == (0.25, 4, "sparseloco", 0.25)
     with pytest.raises(TypeError, match=r"'topK' is no setting \(did you mean 'topk'\?\)"):
         FlexDeMo([param], topK=4)
+
+
+def test_the_settings_are_few_with_short_help_and_the_common_ones_named_first():
+    import dataclasses
+
+    from hf_flexdemo.config import ADVANCED_WIRE_SETTINGS, COMMON_SETTINGS
+
+    fields = dataclasses.fields(FlexDeMoConfig)
+    assert len(fields) <= 35
+    long = {f.name: len(f.metadata["help"]) for f in fields if len(f.metadata["help"]) > 300}
+    assert not long, f"help of at most 3 lines (300 characters); explanations belong in the guides: {long}"
+    assert len(COMMON_SETTINGS) <= 10 and not set(COMMON_SETTINGS) & set(ADVANCED_WIRE_SETTINGS)
+    assert set(COMMON_SETTINGS) | set(ADVANCED_WIRE_SETTINGS) <= set(FlexDeMoConfig.field_names())
+
+
+@pytest.mark.parametrize("text", ["topk_block=2", "derived_topk=8", "factor_rank=1", "ns_steps=5", "decode=mean"])
+def test_a_removed_setting_in_optim_args_says_it_was_removed_why_and_where(text):
+    key = text.partition("=")[0]
+    with pytest.raises(ValueError) as err:
+        parse_optim_args(f"topk=32,{text}")
+    message = str(err.value)
+    assert message.startswith(f"FlexDeMo optim_args: {key} was removed: ")
+    assert "The finding: BENCHMARKS.md, 'Findings: options taken out'; the code: commit 17d8727." in message
+    assert f"Instead, drop {key}" in message
+
+
+def test_the_removed_settings_have_one_table():
+    from hf_flexdemo.removed import REMOVED_SETTINGS, REMOVED_VALUES
+
+    assert set(REMOVED_SETTINGS).isdisjoint(FlexDeMoConfig.field_names())
+    for (key, value), (why, instead) in REMOVED_VALUES.items():
+        assert key in FlexDeMoConfig.field_names() and why and instead
+        with pytest.raises(ValueError, match=rf"FlexDeMo: {key}={value} was removed: "):
+            FlexDeMoConfig(**{key: value})

@@ -106,7 +106,7 @@ def check_saved_settings(checkpoint: Path) -> None:
             what = key if key in REMOVED_SETTINGS else f"{key}={value}"
             raise ValueError(
                 f"Resuming from {checkpoint} is refused: it was trained with {key}={value}, and {what} was "
-                f"removed: {reason} Or start a new run in another --output_dir."
+                f"removed: {reason} Resume it with that commit's code, or start a new run in another --output_dir."
             )
 
 

@@ -41,8 +41,8 @@ def check_saved_rules(saved_groups: list[dict[str, Any]], param_groups: list[dic
 def _removed_elementwise_sign() -> str:
     return (
         f"FlexDeMo: the checkpoint was trained with {ELEMENTWISE_SIGN}, which this version cannot resume. "
-        f"elementwise_update was removed: {removed_reason('elementwise_update')} Or start a new run in another "
-        "output_dir."
+        f"elementwise_update was removed: {removed_reason('elementwise_update')} Resume it with that commit's "
+        "code, or start a new run in another output_dir."
     )
 
 
