@@ -100,7 +100,7 @@ def test_resuming_a_sharded_checkpoint_with_another_rule_is_refused_with_what_to
     assert proc.returncode != 0
     said = out.partition("Root Cause (first observed failure):")[0]  # the launcher's summary repeats it there
     assert said.count("was trained with the adam rule") == 1, out[-3000:]  # said once, by the first process
-    assert "Resume with update=adam, or update=orthogonal,elementwise_update=adam" in out
+    assert "Resume with update=adam, or update=orthogonal (the default: drop update)" in out
     assert "Missing key" not in out and "CheckpointException" not in out
 
 
@@ -114,7 +114,7 @@ def test_t5_loss_is_not_scaled_by_processes_or_accumulation(launched):
 def test_model_card_names_flexdemo_and_its_settings(launched):
     line = launched["t5_flexdemo"][0]["model_card_optimizer"]
     assert line.startswith("FlexDeMo(scheme='demo', topk=8, chunk=16") and "2 nodes x 2 processes" in line
-    assert "update='orthogonal', elementwise_update='adam'" in line  # the default rule, resolved
+    assert "update='orthogonal'" in line  # the default rule, resolved
     assert "adamw" not in line.lower()
 
 

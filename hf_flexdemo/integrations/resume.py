@@ -6,7 +6,7 @@
   model.shared.weight.", or a size mismatch), each with its traceback.
 - :func:`check_saved_settings`: a checkpoint trained with a setting, scheme or wire preset that was taken out
   (:mod:`hf_flexdemo.removed`) is refused, saying why and where the finding is; its state was made by code this
-  version does not have (``scheme=lowrank``'s basis, say), so torch's loader would fail or train on it wrongly.
+  version does not have (a removed scheme's shared state, say), so torch's loader would fail or train on it wrongly.
 - :func:`stop_if_complete`: a relaunch of a run that reached ``max_steps`` (or
   ``num_train_epochs``) and saved its final state says so in one line and exits with nothing
   changed.

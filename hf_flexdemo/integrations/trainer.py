@@ -110,7 +110,7 @@ def fault_tolerant_identity(trainer):
 def _flexdemo_handler(ctx) -> tuple[type, dict[str, Any]]:
     kwargs = flexdemo_kwargs(ctx.args)
     if flexdemo_config(ctx.args).update == "orthogonal" and ctx.model is not None:
-        kwargs["elementwise"] = elementwise_parameters(ctx.model)  # embeddings and heads: elementwise_update
+        kwargs["elementwise"] = elementwise_parameters(ctx.model)  # embeddings and heads: the adam rule
     kwargs.pop("weight_decay")  # the Trainer passes it per parameter group
     return FlexDeMo, kwargs
 

@@ -15,7 +15,7 @@ Adam moments stay local (per replica); anchor and outer momentum are the same ev
 With ``update='orthogonal'`` the inner step of each matrix is Muon's instead of AdamW's: the replica's own
 momentum ``m = beta1 * m + (1 - beta1) * g``, Nesterov's ``g + beta1 * (m - g)``, orthogonalized by the
 orthogonal rule (:mod:`hf_flexdemo.updates.orthogonal`, which deals a node's shards out to their owners);
-everything else, embeddings and heads included, keeps the inner AdamW (``elementwise_update='adam'``).
+everything else, embeddings and heads included, keeps the inner AdamW.
 
 One replica: no communication; the outer step applies the replica's own pseudo-gradient,
 which makes it a Lookahead-style optimizer around its inner step.

@@ -31,7 +31,7 @@ from hf_flexdemo import FlexDeMo
 from hf_flexdemo.compression import ChunkPlan, from_coefficients
 from hf_flexdemo.dtensor_utils import local_tensor
 from hf_flexdemo.optim.flexdemo_reference import FlexDeMoReference
-from hf_flexdemo.scheme_traits import traits_of
+from hf_flexdemo.scheme_traits import SCHEME_SETTINGS, traits_of
 from hf_flexdemo.schemes.momentum import momentum_dtype
 from hf_flexdemo.state_store import StateStore
 from hf_flexdemo.topology import replica_fingerprints
@@ -46,16 +46,19 @@ VARIANTS = {  # wire formats of the top-k schemes, run like the schemes
     "demo_shared": dict(scheme="demo", shared_indices=True),
     # Update rules (hf_flexdemo.updates): the same wire, another step.
     "demo_adam": dict(scheme="demo", update="adam"),
-    "demo_ortho": dict(scheme="demo", update="orthogonal", elementwise_update="sign"),
-    "full_ortho": dict(scheme="full", update="orthogonal", elementwise_update="sign"),
     "full_adam": dict(scheme="full", update="adam"),
-    "demo_ortho_adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam"),
+    "demo_ortho_adam": dict(scheme="demo", update="orthogonal"),
     # Muon's inner step between SparseLoCo's outer steps (issue 45, direction 3)
     "sparseloco_ortho": dict(scheme="sparseloco", update="orthogonal", value_bits=2, pack_indices=True),
-    # One side of rank-2 factors at 1 bit, with the default rule (issue 45, direction 2)
-    "lowrank_1bit": dict(scheme="lowrank", factor_rank=2, value_bits=1),
 }
 SMALL = dict(topk=4, chunk=8, rate=0.25, inner_steps=5)
+
+
+def small(**hp) -> dict:
+    """SMALL under ``hp``, less the settings the scheme does not read (given there, they are refused)."""
+    merged = {**SMALL, **hp}
+    reads = traits_of(merged.get("scheme", "demo")).reads
+    return {key: value for key, value in merged.items() if key not in SCHEME_SETTINGS or key in reads}
 
 
 def build(mesh, dtype=torch.float32, seed=0):
@@ -84,7 +87,7 @@ def check_schemes(mesh, coords, spy) -> dict:
     out = {}
     for scheme, kwargs in [*((name, {"scheme": name}) for name in SCHEMES), *VARIANTS.items()]:
         model = build(mesh)
-        opt = FlexDeMo(model.parameters(), lr=1e-2, weight_decay=0.01, mesh=mesh, **{**SMALL, **kwargs})
+        opt = FlexDeMo(model.parameters(), lr=1e-2, weight_decay=0.01, mesh=mesh, **small(**kwargs))
         per_step, losses = [], []
         for step in range(20):
             x, y = batch(*coords, step)
@@ -125,7 +128,7 @@ def check_oracle(mesh, coords) -> dict:
     """Local shards against the one-process reference that simulates both replicas (float64)."""
     configs = {
         "demo": dict(scheme="demo", sign=False),
-        "demo_sign_mean": dict(scheme="demo", sign=True, decode="mean", update="sign"),
+        "demo_sign": dict(scheme="demo", sign=True, update="sign"),
         "demo_packed": dict(scheme="demo", sign=False, pack_indices=True),  # a wire format: same results
         "demo_elias_fano": dict(scheme="demo", sign=False, topk=16, pack_indices=True, index_coding="elias_fano"),
         "demo_every2": dict(scheme="demo", sign=False, replicate_every=2),
@@ -138,16 +141,14 @@ def check_oracle(mesh, coords) -> dict:
         "demo_adam": dict(scheme="demo", update="adam"),
         "full_adam": dict(scheme="full", update="adam"),
         # Newton-Schulz in float32 on both sides: bf16's rounding (the default) would swamp the comparison.
-        "demo_ortho": dict(scheme="demo", update="orthogonal", elementwise_update="sign", ns_dtype="float32"),
-        "full_ortho": dict(scheme="full", update="orthogonal", elementwise_update="sign", ns_dtype="float32"),
-        "demo_ortho_adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam", ns_dtype="float32"),
-        "demo_ortho_ns3": dict(scheme="demo", update="orthogonal", elementwise_update="adam", ns_dtype="float32", ns_steps=3),
+        "full_ortho": dict(scheme="full", update="orthogonal", ns_dtype="float32"),
+        "demo_ortho_adam": dict(scheme="demo", update="orthogonal", ns_dtype="float32"),
     }
     group = mesh["replicate"].get_group()
     replicas = mesh["replicate"].size()
     out = {}
     for name, hp in configs.items():
-        hp = {**SMALL, **hp, "lr": 0.05, "weight_decay": 0.1}
+        hp = small(**hp, lr=0.05, weight_decay=0.1)
         if not traits_of(hp["scheme"]).outer_steps:  # diloco's momentum is betas[0]: it refuses decay
             hp["decay"] = 0.9
         model = build(mesh, dtype=torch.float64)
@@ -178,7 +179,7 @@ def check_oracle(mesh, coords) -> dict:
             theirs = [m1 for m1, _ in ref.adam[coords[0]]] + list(ref.anchor)
         else:
             ours, theirs = [spatial_momentum(opt, p, hp) for p in params], ref.momenta[coords[0]]
-        if "adam" in (hp.get("update"), hp.get("elementwise_update")):  # and the rule's second moment
+        if hp.get("update") in ("adam", "orthogonal"):  # and adam's second moment (orthogonal: of the rest)
             kept = [opt.state[p].get("update_sq", torch.zeros_like(local_tensor(p))) for p in params]
             ours += [StateStore.local(v, local_tensor(p)) for v, p in zip(kept, params)]  # matrices keep none
             theirs = list(theirs) + ref.second[coords[0]]
@@ -209,10 +210,9 @@ def spatial_momentum(opt, p, hp) -> torch.Tensor:
 
 
 def shared_index_state(opt, p) -> torch.Tensor:
-    """What picks the next positions on every replica alike: the shared index set, the derived set's score, or the
-    low-rank basis."""
+    """What picks the next positions on every replica alike: the shared index set."""
     state = opt.state[p]
-    kept = next((state[key] for key in ("shared_index_mask", "derived_score", "lowrank_basis") if key in state), None)
+    kept = state.get("shared_index_mask")
     kept = torch.zeros(0) if kept is None else kept
     return local_tensor(kept).clone()
 
@@ -222,16 +222,12 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
     out = {}
     names = ("demo", "random", "diloco", "sparseloco", "sparseloco_ortho", "demo_overlap", "demo_shared", "demo_adam")
     names += ("demo_ortho",)
-    for name in (*names, "demo_eliasfano", "demo_derived", "lowrank"):
+    for name in (*names, "demo_eliasfano"):
         scheme, _, variant = name.partition("_")
-        hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4}
+        hp = small(scheme=scheme, lr=1e-2, inner_steps=4)
         hp.update(overlap=variant == "overlap", shared_indices=variant == "shared")
         if variant == "eliasfano":  # wire=2bit's wire format
             hp.update(value_bits=2, pack_indices=True, index_coding="elias_fano")
-        if variant == "derived":  # values at the positions every replica derives, beside the top 4
-            hp.update(derived_topk=8, value_bits=1, pack_indices=True, index_coding="elias_fano")
-        if scheme == "lowrank":  # one side of rank-2 factors at 1 bit, in a basis the replicas share
-            hp.update(factor_rank=2, value_bits=1)
         outer = scheme in ("diloco", "sparseloco")  # AdamW inside unless 'ortho' (an explicit 'sign' is refused)
         hp.update(update={"adam": "adam", "ortho": "orthogonal"}.get(variant, None if outer else "sign"))
         model = build(mesh)
@@ -281,7 +277,7 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
 def check_overlap(mesh, coords, spy) -> dict:
     """overlap=True (async exchange, applied one step late) against the plain run, with
     gradients that do not depend on the parameters: after a flush both must be bitwise equal."""
-    hp = {**SMALL, "lr": 1e-2}
+    hp = small(lr=1e-2)
     results = {}
     models = {}
     for overlap in (False, True):
@@ -316,7 +312,7 @@ def check_drift_detection(mesh, coords) -> dict:
     from hf_flexdemo.integrations.callback import FlexDeMoCallback, ReplicaDriftError
 
     model = build(mesh)
-    opt = FlexDeMo(model.parameters(), mesh=mesh, **SMALL)
+    opt = FlexDeMo(model.parameters(), mesh=mesh, **small())
     train(model, opt, coords, 3)
     callback = FlexDeMoCallback()
     callback._optimizer = opt
@@ -338,7 +334,7 @@ def check_errors(mesh) -> dict:
     torch.manual_seed(0)
     model = OddShapes()
     fully_shard(model, mesh=mesh)
-    opt = FlexDeMo(model.parameters(), mesh=mesh, **SMALL)
+    opt = FlexDeMo(model.parameters(), mesh=mesh, **small())
     try:
         opt.step()
         out["hsdp"] = None
@@ -346,7 +342,7 @@ def check_errors(mesh) -> dict:
         out["hsdp"] = str(e)
     # No mesh in a multi-process job: never train unsynchronized.
     model = build(mesh)
-    opt = FlexDeMo(model.parameters(), **SMALL)
+    opt = FlexDeMo(model.parameters(), **small())
     try:
         opt.step()
         out["no_mesh"] = None
@@ -359,7 +355,7 @@ def check_start_sync(mesh) -> dict:
     """Replicas that start from different parameters are brought to replica 0's on the first step."""
     replica = mesh["replicate"].get_local_rank()
     model = build(mesh, seed=replica)  # different init per replica
-    opt = FlexDeMo(model.parameters(), mesh=mesh, **SMALL)
+    opt = FlexDeMo(model.parameters(), mesh=mesh, **small())
     before = replica_fingerprints(list(model.parameters()), opt.topology)
     opt.step()  # no gradients: zero update, but the start check runs
     after = replica_fingerprints(list(model.parameters()), opt.topology)
@@ -369,10 +365,10 @@ def check_start_sync(mesh) -> dict:
 def check_settings_agreement(mesh, coords) -> dict:
     """Nodes launched with different settings are refused on the first step, before the exchange: a wire setting
     (buffers of other sizes: a hang or a failed collective) and the learning rate (other steps: silent drift)."""
-    wire = dict(SMALL, value_bits=2, pack_indices=True)
+    wire = small(value_bits=2, pack_indices=True)
     cases = {
         "index_coding": dict(wire, index_coding="elias_fano" if coords[0] == 1 else "fixed"),
-        "lr": dict(SMALL, lr=2e-3 if coords[0] == 1 else 1e-3),
+        "lr": small(lr=2e-3 if coords[0] == 1 else 1e-3),
         "same": dict(wire, index_coding="elias_fano"),
     }
     out = {}
@@ -405,7 +401,7 @@ def check_ns_dtype_agreement(mesh, coords) -> dict:
         out["node1_slow"] = str(orthogonal.agreed_newton_schulz_dtype("auto", cpu, group))
         out["node1_slow_forced"] = str(orthogonal.agreed_newton_schulz_dtype("bf16", cpu, group))
         model = build(mesh)
-        opt = FlexDeMo(model.parameters(), mesh=mesh, update="orthogonal", elementwise=[], **SMALL)
+        opt = FlexDeMo(model.parameters(), mesh=mesh, update="orthogonal", elementwise=[], **small())
         train(model, opt, coords, 3)
         out["rule_dtype"] = str(opt.rules["orthogonal"].dtype)
         out["replicas_equal"] = len(set(replica_fingerprints(list(model.parameters()), opt.topology))) == 1
@@ -427,7 +423,7 @@ def check_triton_kernels(mesh, coords, spy) -> dict | None:
         model = nn.Sequential(nn.Flatten(), nn.Linear(24, 16), nn.Tanh(), nn.Linear(16, 1))
         fully_shard(model, mesh=mesh["shard"])
         opt = FlexDeMo(model.parameters(), lr=2**-7, weight_decay=0.01, mesh=mesh, update="sign", kernels=kernels,
-                       value_bits=2, pack_indices=True, **SMALL)  # fmt: skip
+                       value_bits=2, pack_indices=True, **small())  # fmt: skip
         wire = []
         for step in range(3):
             x, y = batch(*coords, step)
