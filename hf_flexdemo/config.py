@@ -18,6 +18,7 @@ import torch
 from .compression import VALUE_BITS
 from .kernels import KERNELS
 from .kernels import check_settings as check_kernel_settings
+from .optim_args import parse_settings
 from .removed import REMOVED_SETTINGS, check_not_removed, removed_message
 from .fault_tolerance_settings import (  # noqa: F401  (re-exported)
     FAULT_TOLERANCE,
@@ -660,5 +661,25 @@ def whole_optimizer_setting_in_group(group: dict[str, Any]) -> str | None:
     )
 
 
-# optim_args parsing reads the fields above; it lives in its own module, re-exported here for the older imports.
-from .optim_args import OWN_KEYS, check_knobs_beside_wire, parse_optim_args  # noqa: E402
+OWN_KEYS = tuple(name for name in FlexDeMoConfig.field_names() if name not in SHARED_KEYS)
+"""``optim_args`` keys that only FlexDeMo reads: with another ``optim`` they would be ignored."""
+
+
+def parse_optim_args(text: str | None) -> dict[str, Any]:
+    """``"topk=32,sign=false,betas=0.9:0.95"`` -> typed values (:mod:`hf_flexdemo.optim_args`); unknown keys, removed
+    ones and knobs that disagree with ``wire`` are an error."""
+    values = parse_settings(text, {f.name: f for f in dataclasses.fields(FlexDeMoConfig)}, OWN_KEYS)
+    check_knobs_beside_wire(values, "FlexDeMo optim_args")
+    return values
+
+
+def check_knobs_beside_wire(given: dict[str, Any], where: str) -> None:
+    """A knob given beside ``wire`` must be the preset's, even at its default: given, it was meant."""
+    wire = given.get("wire")
+    preset = WIRE_PRESETS.get(wire, {})
+    for key, value in given.items():
+        if key in preset and value != preset[key]:
+            raise ValueError(
+                f"{where}: wire={wire!r} sets {key}={preset[key]}, but {key}={value} is given too; drop {key} to use "
+                f"the preset, or drop wire and set {preset_knobs(wire)} yourself."
+            )

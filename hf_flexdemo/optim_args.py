@@ -1,25 +1,24 @@
-"""``optim_args`` (``"topk=32,sign=false,betas=0.9:0.95"``): FlexDeMo's settings as the Trainer passes them, as
-typed values.
+"""``optim_args`` (``"topk=32,sign=false,betas=0.9:0.95"``): settings written as text, read as typed values.
 
-A key that is no setting is refused with the closest one, a removed one with why it was taken out
-(:mod:`hf_flexdemo.removed`). The checks of the values themselves are :class:`hf_flexdemo.config.FlexDeMoConfig`'s.
+:func:`hf_flexdemo.config.parse_optim_args` reads FlexDeMo's with it, handing over the fields of
+:class:`~hf_flexdemo.config.FlexDeMoConfig` (this module imports nothing of the config, which imports it). A key
+that is no setting is refused with the closest one, a removed one with why it was taken out
+(:mod:`hf_flexdemo.removed`); the checks of the values themselves are the config's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Mapping
 from typing import Any
 
-from .config import SHARED_KEYS, WIRE_PRESETS, FlexDeMoConfig, preset_knobs
 from .removed import removed_message
 
-OWN_KEYS = tuple(name for name in FlexDeMoConfig.field_names() if name not in SHARED_KEYS)
-"""``optim_args`` keys that only FlexDeMo reads: with another ``optim`` they would be ignored."""
 
-
-def parse_optim_args(text: str | None) -> dict[str, Any]:
-    """``"topk=32,sign=false,betas=0.9:0.95"`` -> typed values; unknown keys are an error."""
+def parse_settings(text: str | None, fields: Mapping[str, dataclasses.Field], own_keys: tuple[str, ...]) -> dict:
+    """``"topk=32,sign=false,betas=0.9:0.95"`` -> typed values of ``fields`` (name -> dataclass field); unknown keys
+    are an error, which lists ``own_keys``."""
     values: dict[str, Any] = {}
     if not text:
         return values
@@ -28,7 +27,7 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
             f"FlexDeMo optim_args={text!r}: settings are separated by commas, not semicolons; "
             f"write {text.replace(';', ',')!r}."
         )
-    known = {f.name: f for f in dataclasses.fields(FlexDeMoConfig)}
+    known = dict(fields)
     given: dict[str, str] = {}  # key -> its text as written
     for written in text.split(","):
         if len(written.split()) > 1 and written.count("=") > 1:  # "chunk=64 topk=32": a space for a comma
@@ -46,7 +45,7 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
         if removed is not None:
             raise ValueError(removed)
         if key not in known:
-            raise ValueError(_unknown_key_message(key, raw))
+            raise ValueError(_unknown_key_message(key, raw, tuple(known), own_keys))
         if key in given:
             raise ValueError(
                 f"FlexDeMo optim_args: {key} is given twice ({key}={given[key]} and {key}={raw}); keep the one you "
@@ -54,28 +53,15 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
             )
         given[key] = raw
         values[key] = _parse_value(key, raw, _typed_default(known[key]))
-    check_knobs_beside_wire(values, "FlexDeMo optim_args")
     return values
 
 
-def check_knobs_beside_wire(given: dict[str, Any], where: str) -> None:
-    """A knob given beside ``wire`` must be the preset's, even at its default: given, it was meant."""
-    wire = given.get("wire")
-    preset = WIRE_PRESETS.get(wire, {})
-    for key, value in given.items():
-        if key in preset and value != preset[key]:
-            raise ValueError(
-                f"{where}: wire={wire!r} sets {key}={preset[key]}, but {key}={value} is given too; drop {key} to use "
-                f"the preset, or drop wire and set {preset_knobs(wire)} yourself."
-            )
-
-
-def _unknown_key_message(key: str, raw: str) -> str:
+def _unknown_key_message(key: str, raw: str, names: tuple[str, ...], own_keys: tuple[str, ...]) -> str:
     """Lists FlexDeMo's own keys only: the shared ones are refused in optim_args (the Trainer has flags)."""
-    close = difflib.get_close_matches(key, FlexDeMoConfig.field_names(), n=1)
+    close = difflib.get_close_matches(key, names, n=1)
     hint = f" (did you mean {close[0]!r}? write {close[0]}={raw})" if close else ""
     return (
-        f"FlexDeMo optim_args: unknown key {key!r}{hint}. The keys are {sorted(OWN_KEYS)}; lr, weight_decay, betas "
+        f"FlexDeMo optim_args: unknown key {key!r}{hint}. The keys are {sorted(own_keys)}; lr, weight_decay, betas "
         "and eps come from --learning_rate, --weight_decay, --adam_beta1/2 and --adam_epsilon."
     )
 
