@@ -63,8 +63,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--scheme", default="demo")
-    parser.add_argument("--topk", type=int, default=32)
-    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--topk", type=int, help="demo, sparseloco: coefficients per tile (default 32)")
+    parser.add_argument("--chunk", type=int, help="demo, sparseloco: the tiles' side (default 64)")
     args = parser.parse_args()
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -85,9 +85,9 @@ def main() -> None:
     opt = FlexDeMo(
         model.parameters(),
         lr=args.lr,
-        topk=args.topk,
-        chunk=args.chunk,
         scheme=args.scheme,
+        # Only what was given: a scheme that picks no top-k (full, diloco) refuses topk and chunk.
+        **{key: value for key, value in (("topk", args.topk), ("chunk", args.chunk)) if value is not None},
         mesh=mesh,
         elementwise=[model.embed.weight, model.position, *model.head.parameters()],
     )
