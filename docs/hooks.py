@@ -4,7 +4,7 @@
   :class:`hf_flexdemo.FlexDeMoConfig`'s settings (the common ones first, then one per group of ``SETTING_GROUPS``,
   the wire's knobs last), made from their dataclass fields (name, type, default, ``metadata["help"]``);
 - the repository's own Markdown: ``README.md`` becomes the home page and ``BENCHMARKS.md`` the benchmark results,
-  with the plots they show, and every relative link is written as it works on GitHub (from the file's place in
+  with the plots they show and each study's record (``benchmarks/results/**/README.md``, off the nav), and every relative link is written as it works on GitHub (from the file's place in
   the repository, ``docs/...`` included) and mapped here to the page or file it names on the site.
 
 A field without help text, a missing marker, or a link to a repository file the site does not carry is a warning,
@@ -42,6 +42,8 @@ def on_files(files, config):
         files.append(File.generated(config, uri, abs_src_path=str(ROOT / repo_path)))
     for plot in sorted((ROOT / ASSETS).rglob("*.png")):
         files.append(File.generated(config, plot.relative_to(ROOT).as_posix(), abs_src_path=str(plot)))
+    for study in sorted((ROOT / ASSETS).rglob("README.md")):  # each study's full record, beside its results
+        files.append(File.generated(config, study.relative_to(ROOT).as_posix(), abs_src_path=str(study)))
     return files
 
 
@@ -51,7 +53,7 @@ def on_page_markdown(markdown, page, config, files):
         if SETTINGS_MARKER not in markdown:
             log.warning("%s lost its marker line %r: the settings table has nowhere to go", uri, SETTINGS_MARKER)
         markdown = markdown.replace(SETTINGS_MARKER, settings_table())
-    here = next((repo for repo, site in PAGES.items() if site == uri), f"docs/{uri}")
+    here = next((repo for repo, site in PAGES.items() if site == uri), uri if uri.startswith(f"{ASSETS}/") else f"docs/{uri}")
     return LINK.sub(lambda match: _site_link(match, here, uri), markdown)
 
 

@@ -22,7 +22,7 @@ from hf_flexdemo import FlexDeMoConfig
 
 pytestmark = pytest.mark.unit
 
-README_MAX_LINES = 200
+README_MAX_LINES = 120
 GENERATED_PAGES = {"index.md", "benchmarks/index.md"}
 """Pages docs/hooks.py makes from README.md and BENCHMARKS.md."""
 
