@@ -105,7 +105,7 @@ def save_loadable(trainer, target: str | os.PathLike, with_weights: bool) -> Non
     if _rank() == 0:
         try:
             write_model(accelerator.unwrap_model(trainer.model), state_dict, Path(target), trainer)
-        except (OSError, RuntimeError) as error:  # torch's and safetensors' writers raise RuntimeError too
+        except Exception as error:  # safetensors' and torch's writers raise their own classes: read the cause
             cause = storage_cause(error, target)
             if cause is None:
                 raise
@@ -124,8 +124,9 @@ def write_model(model, state_dict: dict[str, torch.Tensor] | None, target: Path,
         staging.mkdir(parents=True)
         if state_dict is not None:
             args = getattr(trainer, "args", None)
-            safe = getattr(args, "save_safetensors", True)  # transformers 4.x's setting; 5.x writes safetensors only
-            model.save_pretrained(staging, state_dict=state_dict, safe_serialization=safe)
+            # transformers 4.x's save_safetensors=False asks for pytorch_model.bin; 5.x has no such setting.
+            asked = {"safe_serialization": args.save_safetensors} if hasattr(args, "save_safetensors") else {}
+            model.save_pretrained(staging, state_dict=state_dict, **asked)
         else:
             model.config.save_pretrained(staging)
         if trainer is not None and trainer.processing_class is not None:
