@@ -46,7 +46,7 @@ $(LEAN_STAMP): setup.cfg pyproject.toml
 $(NEWEST_STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(NEWEST_VENV)
 	$(NEWEST_VENV)/bin/python -m pip install --quiet "$(NEWEST_TORCH_SPEC)"
-	$(NEWEST_VENV)/bin/python -m pip install --quiet -e ".[test]" "$(NEWEST_TORCH_SPEC)"
+	$(NEWEST_VENV)/bin/python -m pip install --quiet -e ".[test,bench]" "$(NEWEST_TORCH_SPEC)"
 	touch $(NEWEST_STAMP)
 
 # T5 translation, offline preset, 2 simulated nodes x 2 processes on this machine's CPU.

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.fake_hub import FakeHub
 from support.faults import small_disk
 from support.launch import REPO_ROOT, TESTS_DIR, child_env, free_port, run_checked
 
@@ -24,21 +25,31 @@ CONFIG = REPO_ROOT / "accelerate_configs" / "cpu_2x2.yaml"
 STEPS = 4
 PRESET = "2bit"
 EVAL_BATCH = 4
+REPO = "test-user/user-clm"
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("user_script") / "out"
+def launched(tmp_path_factory) -> tuple[Path, dict[str, bytes]]:
+    """The output folder, and the files the run pushed to a stand-in Hub."""
+    root = tmp_path_factory.mktemp("user_script")
+    out = root / "out"
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG),
         "--main_process_port", str(free_port()), "-m", "hf_flexdemo.run", str(SCRIPT),
         "--optim", "flexdemo", "--optim_args", f"wire={PRESET}", "--output_dir", str(out),
         "--max_steps", str(STEPS), "--per_device_train_batch_size", "4", "--per_device_eval_batch_size",
         str(EVAL_BATCH), "--logging_steps", "2", "--save_strategy", "steps", "--save_steps", str(STEPS),
-        "--report_to", "none", "--learning_rate", "1e-3",
+        "--report_to", "none", "--learning_rate", "1e-3", "--push_to_hub", "--hub_model_id", REPO,
+        "--hub_strategy", "end",
     ]  # fmt: skip
-    run_checked(command, timeout=600)
-    return out
+    with FakeHub() as hub:
+        run_checked(command, timeout=600, env=hub.env(child_env(HF_HOME=str(root / "hf_home"))))
+        return out, hub.files(REPO)
+
+
+@pytest.fixture(scope="module")
+def run(launched) -> Path:
+    return launched[0]
 
 
 def script_module():
@@ -79,6 +90,23 @@ def test_the_saved_model_loads_and_gives_the_eval_loss_the_run_ended_with(run):
     assert sum(losses) / len(losses) == pytest.approx(ended_with, rel=1e-5)
     trained_for = json.loads((run / "trainer_state.json").read_text())["global_step"]
     assert trained_for == STEPS
+
+
+@pytest.mark.multiprocess
+def test_push_to_hub_pushes_the_model_that_loads(launched, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, pushed = launched
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "README.md"):
+        assert name in pushed, sorted(pushed)
+    for name, content in pushed.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(content)
+    AutoModelForCausalLM.from_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tmp_path)
+    local, hub = load_file(out / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert local.keys() == hub.keys() and all(torch.equal(local[k], hub[k]) for k in local)
 
 
 @pytest.mark.multiprocess
