@@ -153,7 +153,15 @@ def mark_mean_loss_model(model) -> bool:
     return True
 
 
-def _bf16_on_cpu(original, self, *args, **kwargs):
+def _training_arguments_post_init(original, self, *args, **kwargs):
+    """``TrainingArguments.__post_init__``: :func:`_bf16_on_cpu` before it, :func:`check_training_arguments` after
+    it (once ``optim`` is the enum member; a script has loaded no data yet)."""
+    _bf16_on_cpu(self)
+    original(self, *args, **kwargs)
+    check_training_arguments(self)
+
+
+def _bf16_on_cpu(self) -> None:
     """``--bf16`` without an accelerator trains in bf16 on the CPU instead of failing on every process.
 
     transformers refuses ``bf16`` without a bf16 GPU unless ``use_cpu`` is set ("Your setup doesn't
@@ -169,8 +177,6 @@ def _bf16_on_cpu(original, self, *args, **kwargs):
                 "autocast; use_cpu=True is set for it). Drop --bf16 to train in float32, which is often faster on "
                 "CPUs without bf16 instructions."
             )
-    original(self, *args, **kwargs)
-    check_training_arguments(self)  # once optim is the enum member; a script has loaded nothing yet
 
 
 def _trainer_init(original, self, *args, **kwargs):
@@ -302,7 +308,7 @@ def install() -> None:
     wrap("transformers.modelcard.extract_hyperparameters_from_trainer", _card_hyperparameters)
     # Before __init__: callbacks run after the data is loaded; train(): a callback is too late
     # to choose the checkpoint that train() loads.
-    wrap("transformers.TrainingArguments.__post_init__", _bf16_on_cpu)  # before transformers refuses it
+    wrap("transformers.TrainingArguments.__post_init__", _training_arguments_post_init)
     wrap("transformers.Trainer.__init__", _trainer_init)
     wrap("transformers.Trainer.train", _trainer_train)
     wrap("transformers.Trainer.save_model", save_model)  # the whole model, also under a sharded state dict
