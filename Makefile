@@ -2,8 +2,9 @@
 # Each creates the virtual environment on first use. TORCH_SPEC pins the CPU wheel this
 # machine has on disk; on a GPU machine use your own torch (`pip install -e .`).
 # `make test` also builds .venv-lowest with the lowest supported transformers/accelerate
-# (constraints/lowest.txt) and runs the `lowest` subset there, and .venv-lean with the package alone (no extras) for
-# the `lean` subset.
+# (constraints/lowest.txt) and runs the `lowest` subset there, .venv-lean with the package alone (no extras) for
+# the `lean` subset, and .venv-newest with the newest torch this machine has (NEWEST_TORCH_SPEC) for the unit tier
+# and one 2 x 2 launch.
 
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
@@ -13,8 +14,11 @@ STAMP := $(VENV)/.installed
 LOWEST_STAMP := $(LOWEST_VENV)/.installed
 LEAN_VENV ?= .venv-lean
 LEAN_STAMP := $(LEAN_VENV)/.installed
+NEWEST_VENV ?= .venv-newest
+NEWEST_TORCH_SPEC ?= torch==2.14.1
+NEWEST_STAMP := $(NEWEST_VENV)/.installed
 
-.PHONY: demo test test-unit test-lowest test-lean venv docs
+.PHONY: demo test test-unit test-lowest test-lean test-newest venv docs
 
 venv: $(STAMP)
 
@@ -37,12 +41,20 @@ $(LEAN_STAMP): setup.cfg pyproject.toml
 	$(LEAN_VENV)/bin/python -m pip install --quiet -e . "pytest>=8"
 	touch $(LEAN_STAMP)
 
+# The newest torch (2.14.1: its CUDA build from this machine's files, which runs on CPU, with its own Triton), then
+# the extras with torch named again, so that pip keeps it instead of replacing it.
+$(NEWEST_STAMP): setup.cfg pyproject.toml
+	python3 -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip install --quiet "$(NEWEST_TORCH_SPEC)"
+	$(NEWEST_VENV)/bin/python -m pip install --quiet -e ".[test,bench]" "$(NEWEST_TORCH_SPEC)"
+	touch $(NEWEST_STAMP)
+
 # T5 translation, offline preset, 2 simulated nodes x 2 processes on this machine's CPU.
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_2x2.yaml \
 		training_scripts/train_t5.py --preset offline
 
-test: test-lowest test-lean $(STAMP)
+test: test-lowest test-lean test-newest $(STAMP)
 	$(PYTHON) -m pytest -q --durations=10 -m "not lean"
 
 test-unit: $(STAMP)
@@ -50,6 +62,12 @@ test-unit: $(STAMP)
 
 test-lowest: $(LOWEST_STAMP)
 	$(LOWEST_VENV)/bin/python -m pytest -q -m lowest
+
+# The unit tier, and one 2 x 2 launch of a user's own Trainer script (tests/test_user_script.py).
+test-newest: $(NEWEST_STAMP)
+	$(NEWEST_VENV)/bin/python -c 'import torch; print("torch", torch.__version__)'
+	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m unit
+	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m multiprocess tests/test_user_script.py
 
 test-lean: $(LEAN_STAMP)
 	FLEXDEMO_LEAN_VENV=1 $(LEAN_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_lean_install.py

@@ -8,7 +8,7 @@
 - the model card rendered from ``model_cards/flexdemo.md``;
 - the Hub push, and a full disk or read-only output, each with one clear error that leaves
   the local files whole;
-- the end-of-run summary: metrics and the inter-node bytes against AdamW with HSDP.
+- the end-of-run summary: metrics and the inter-node bytes against AdamW with HSDP's dense bf16 all-reduce.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ from hf_flexdemo.integrations.checkpoints import (
     newest_complete,
     storage_errors,
 )
+from hf_flexdemo.integrations.final_model import is_checkpoint_folder, save_loadable, saves_sharded
 from hf_flexdemo.integrations.trainer import describe, is_flexdemo, layout, node_count, node_label
 from hf_flexdemo.optim import unwrap_flexdemo
-from hf_flexdemo.wire import ring_all_reduce_bytes
+from hf_flexdemo.optim.counters import bf16_dense_bytes, x_fewer_than_bf16_dense
 
 logger = logging.getLogger(__name__)
 
@@ -221,32 +222,11 @@ def exit_worker() -> None:
 
 
 def save_full_model(trainer: Trainer) -> None:
-    """Save full weights to ``output_dir`` (call on every process: gathering is collective)."""
-    if saves_sharded(trainer):
-        save_loadable(trainer, trainer.args.output_dir, with_weights=True)
-    else:
-        trainer.save_model()
+    """Save full weights to ``output_dir`` (call on every process: gathering is collective).
 
-
-def saves_sharded(trainer: Trainer) -> bool:
-    """Whether the Trainer's own saves hold sharded weights only (FSDP with a sharded state dict)."""
-    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
-    return plugin is not None and "FULL_STATE_DICT" not in str(plugin.state_dict_type)
-
-
-def save_loadable(trainer: Trainer, output_dir: str, with_weights: bool) -> None:
-    """Config and tokenizer in ``output_dir``, and gathered full weights if ``with_weights`` (collective)."""
-    accelerator = trainer.accelerator
-    state_dict = accelerator.get_state_dict(trainer.model) if with_weights else None  # gathers the shards
-    if not trainer.args.should_save:
-        return
-    model = accelerator.unwrap_model(trainer.model)
-    if state_dict is not None:
-        model.save_pretrained(output_dir, state_dict=state_dict)
-    else:
-        model.config.save_pretrained(output_dir)
-    if trainer.processing_class is not None:
-        trainer.processing_class.save_pretrained(output_dir)
+    ``Trainer.save_model`` gathers them under a sharded state dict too (:mod:`hf_flexdemo.integrations.final_model`).
+    """
+    trainer.save_model()
 
 
 class ScriptTrainerMixin:
@@ -266,9 +246,10 @@ class ScriptTrainerMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         report_failed_pushes(self)  # before the Trainer replaces the finished push with the next one
         super().save_model(output_dir, _internal_call)
-        if _internal_call and saves_sharded(self):
+        folder = output_dir or self.args.output_dir
+        if _internal_call and saves_sharded(self) and is_checkpoint_folder(folder):
             pushed = self.args.push_to_hub and str(getattr(self.args.hub_strategy, "value", "")) != "end"
-            save_loadable(self, output_dir or self.args.output_dir, with_weights=pushed)
+            save_loadable(self, folder, with_weights=pushed)
 
     def create_model_card(self, *args, **kwargs) -> None:
         if self.is_world_process_zero():
@@ -299,7 +280,7 @@ def render_model_card(trainer: Trainer, info: dict[str, Any]) -> ModelCard:
         steps=trainer.state.global_step,
         bytes_sent=_bytes(figures["sent"]),
         dense_bytes=_bytes(figures["dense"]),
-        ratio=f"{figures['dense'] / figures['sent']:.0f}x" if figures["sent"] else "n/a",
+        ratio=f"{x_fewer_than_bf16_dense(figures['sent'], figures['dense']):.0f}x" if figures["sent"] else "n/a",
         metrics=metrics,
         hyperparameters={
             "learning_rate": args.learning_rate,
@@ -394,14 +375,14 @@ def final_metrics(log_history: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def comm_figures(trainer: Trainer) -> dict[str, float]:
-    """The inter-node bytes so far of :func:`node_label`'s node, and what AdamW with HSDP's all-reduce would send."""
+    """The inter-node bytes so far of :func:`node_label`'s node, and what the dense bf16 all-reduce would send."""
     callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FlexDeMoCallback)), None)
     if callback is not None and callback.figures:
         return {"sent": callback.figures["flexdemo/bytes_sent"], "dense": callback.figures["flexdemo/dense_bytes"]}
     config = getattr(trainer.accelerator, "parallelism_config", None)
     replicas = config.dp_replicate_size if config is not None else 1
-    grad_bytes = sum(p.numel() * 4 for p in trainer.model.parameters() if p.requires_grad)
-    dense = ring_all_reduce_bytes(grad_bytes, replicas) * trainer.state.global_step
+    numel = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    dense = bf16_dense_bytes(numel, replicas) * trainer.state.global_step
     return {"sent": dense, "dense": dense}
 
 
@@ -418,13 +399,14 @@ def print_summary(trainer: Trainer, metrics: dict[str, float], headline: Sequenc
     if node_count(trainer) == 1:
         print(f"   one node{flexdemo}: nothing crosses nodes, so no inter-node bytes to compare with AdamW with HSDP")
     elif flexdemo:
-        ratio = f" ({figures['dense'] / figures['sent']:.0f}x more)" if figures["sent"] else ""
+        fewer = x_fewer_than_bf16_dense(figures["sent"], figures["dense"])
+        ratio = f": {fewer:.0f}x fewer than bf16 dense" if figures["sent"] else ""
         print(
             f"   inter-node bytes sent by {node}: {_bytes(figures['sent'])}{flexdemo}; "
-            f"AdamW with HSDP would have sent {_bytes(figures['dense'])}{ratio}"
+            f"AdamW with HSDP's dense bf16 all-reduce would have sent {_bytes(figures['dense'])}{ratio}"
         )
     else:
-        print(f"   inter-node bytes sent by {node} (dense all-reduce): {_bytes(figures['dense'])}")
+        print(f"   inter-node bytes of {node}'s dense all-reduce (bf16 gradients): {_bytes(figures['dense'])}")
     replicas = getattr(unwrap_flexdemo(trainer.optimizer), "managed", None)  # None: not FlexDeMo, or no optimizer
     if replicas is not None:
         print(f"   quorum of live nodes: {replicas.membership_story()}")

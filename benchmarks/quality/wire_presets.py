@@ -3,8 +3,9 @@
 Each parameter of the model (built on the meta device: shapes only, no download) is tiled as
 FlexDeMo tiles it; a selection of ``(n_tiles, k)`` zeros goes through the real wire
 (``TopKWire.pack``), so the bytes are what one node sends each step, exactly. Against it: the
-gradient's bytes in the model's dtype (bf16), which a dense all-reduce sends (2 nodes: each
-node sends the gradient once either way). The link at which the exchange takes as long as the
+dense all-reduce of bf16 gradients (2 nodes: each node sends the gradient once either way). Both
+figures and their ratio come from the functions the optimizer's logged ``flexdemo/x_fewer_than_bf16_dense``
+uses (:mod:`hf_flexdemo.optim.counters`), so the log and this table agree. The link at which the exchange takes as long as the
 step's compute is ``bytes * 8 / compute``: below it the link bounds the step, and a more
 compressed preset is faster. The compute per step (``--compute_ms``, default 380 ms) is OLMo2-1B's
 forward and backward plus the default rule's step, measured on one H200 (BENCHMARKS.md).
@@ -28,16 +29,18 @@ from gpu_step import build_model  # noqa: E402
 
 from hf_flexdemo.compression import ChunkPlan
 from hf_flexdemo.config import WIRE_PRESETS, FlexDeMoConfig
+from hf_flexdemo.optim.counters import ByteCounters, bf16_dense_bytes, x_fewer_than_bf16_dense
+from hf_flexdemo.schemes import build_scheme
 from hf_flexdemo.schemes.sparse_wire import TopKWire
 
-GRAD_BYTES = 2  # bf16 gradients, as a bf16 run sends them in HSDP's all-reduce
+NODES = 2
 
 
-def preset_bytes(shapes: list[torch.Size], preset: str) -> int:
-    """Bytes one node sends per step with ``wire=preset`` (every parameter, one replica's payload)."""
+def preset_bytes(shapes: list[torch.Size], preset: str, replicas: int = NODES) -> int:
+    """Bytes one node sends per step with ``wire=preset`` among ``replicas`` nodes (every parameter)."""
     config = FlexDeMoConfig(wire=preset)
     wire = TopKWire(config)
-    total = 0
+    payload = 0
     for shape in shapes:
         plan = ChunkPlan.for_shape(shape, config.chunk, config.topk, config.scale_topk)
         if plan.n_tiles == 0:
@@ -45,8 +48,13 @@ def preset_bytes(shapes: list[torch.Size], preset: str) -> int:
         indices = torch.zeros(plan.n_tiles, plan.k, dtype=torch.int64)
         values = torch.zeros(plan.n_tiles, plan.k)
         sent, _ = wire.encode(indices, values, plan, torch.float32)
-        total += sum(t.numel() * t.element_size() for t in sent)
-    return total
+        payload += sum(t.numel() * t.element_size() for t in sent)
+    return ByteCounters(build_scheme(config).collective).wire_bytes(payload, replicas)
+
+
+def dense_bytes(shapes: list[torch.Size], replicas: int = NODES) -> int:
+    """What the dense bf16 all-reduce of the same gradients sends per node and step (the table's baseline)."""
+    return bf16_dense_bytes(sum(shape.numel() for shape in shapes), replicas)
 
 
 def main() -> None:
@@ -56,7 +64,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     shapes = [p.shape for p in build_model(args.model).parameters()]
-    dense = sum(shape.numel() for shape in shapes) * GRAD_BYTES
+    dense = dense_bytes(shapes)
     rows = []
     print(f"{args.model}: {dense / 1e9:.2f} GB of bf16 gradients per step (a dense all-reduce, 2 nodes)")
     print("| wire | MB per step | x fewer than dense | at 100 Mbit/s | at 1 Gbit/s | the link bounds the step below |")
@@ -65,7 +73,7 @@ def main() -> None:
         row = {
             "wire": name,
             "bytes_per_step": sent,
-            "x_fewer_than_dense": dense / sent,
+            "x_fewer_than_dense": x_fewer_than_bf16_dense(sent, dense),
             "seconds_at_100mbit": sent * 8 / 100e6,
             "seconds_at_1gbit": sent * 8 / 1e9,
             "bound_below_mbit": sent * 8 / (args.compute_ms / 1e3) / 1e6,

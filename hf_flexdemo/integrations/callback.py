@@ -10,8 +10,9 @@
 - **Logs** the inter-node figures of node 0 (with fault tolerance, each node its own) at
   every logging step, into the Trainer logs (console, wandb, TensorBoard, ``log_history``):
   ``flexdemo/bytes_sent_per_step``, cumulative ``flexdemo/bytes_sent`` and ``flexdemo/bytes_received``,
-  ``flexdemo/dense_bytes`` (what HSDP's dense all-reduce would have sent) and
-  ``flexdemo/compression_ratio``; with fault tolerance also ``flexdemo/live_replicas`` (the
+  ``flexdemo/dense_bytes`` (what HSDP's dense all-reduce of bf16 gradients would have sent, 2 bytes
+  per parameter, whatever this run's dtype) and ``flexdemo/x_fewer_than_bf16_dense`` (their ratio, the
+  figure of README's wire table); with fault tolerance also ``flexdemo/live_replicas`` (the
   last quorum's nodes), ``flexdemo/committed_steps`` (torchft's count of committed rounds: the training
   steps and the rounds that synchronize before saves, evaluations and the end of training),
   ``flexdemo/samples_per_step`` (samples the last quorum's step trained on, over all its
@@ -34,10 +35,15 @@ from transformers import TrainerCallback
 
 from .. import refusals
 from ..optim import FlexDeMo, unwrap_flexdemo
+from ..optim.counters import x_fewer_than_bf16_dense
 from ..topology import collective_device
 from .simulation import SimulatedSteps
 
 logger = logging.getLogger(__name__)
+
+
+RATIO_KEY = "flexdemo/x_fewer_than_bf16_dense"
+"""The logged ratio: the dense bf16 all-reduce's bytes over the bytes sent (as README's wire table counts)."""
 
 
 class ReplicaDriftError(RuntimeError):
@@ -204,7 +210,7 @@ class FlexDeMoCallback(TrainerCallback):
             "flexdemo/dense_bytes": dense,
         }
         if sent:
-            figures["flexdemo/compression_ratio"] = dense / sent
+            figures[RATIO_KEY] = x_fewer_than_bf16_dense(sent, dense)
         replicas = self._optimizer.managed
         if replicas is not None:  # fault tolerance: who is training, and how far the quorum got
             figures["flexdemo/live_replicas"] = replicas.topology().size

@@ -86,7 +86,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "transformers.TrainingArguments.__post_init__",
         "wrapped",
-        "bf16=True on a machine without a GPU trains in bf16 on the CPU instead of failing on every process",
+        "bf16=True on a machine without a GPU trains in bf16 on the CPU instead of failing on every process; bad "
+        "optim_args are refused when the arguments are built, before a script loads data",
         TRANSFORMERS,
     ),
     Patch(
@@ -99,6 +100,13 @@ PATCHES: tuple[Patch, ...] = (
         "transformers.Trainer.train",
         "wrapped",
         "resumes from the newest complete checkpoint; a checkpoint of another model or another rule is refused",
+        TRANSFORMERS,
+    ),
+    Patch(
+        "transformers.Trainer.save_model",
+        "wrapped",
+        "the final model is saved whole in the Hub format (gathered on rank 0) also under a sharded FSDP state dict, "
+        "where the stock method writes no weights",
         TRANSFORMERS,
     ),
     Patch(

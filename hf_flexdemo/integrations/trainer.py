@@ -15,7 +15,9 @@ of transformers 5.x that scales T5's loss by processes and accumulation steps. E
 Trainer also gets crash-safe checkpoints (:mod:`.checkpoints`): ``train`` resumes from the
 newest *complete* checkpoint for ``resume_from_checkpoint="auto"`` or ``True`` (and after an
 automatic restart, or when an earlier run's checkpoints are in ``output_dir``), and a worker
-stops when its launcher dies (:mod:`hf_flexdemo.elastic`). ``TrainingArguments(bf16=True)`` on
+stops when its launcher dies (:mod:`hf_flexdemo.elastic`). ``save_model`` writes the whole model in the Hub
+format under any FSDP state-dict setting (:mod:`.final_model`). Bad ``optim_args`` are refused when
+``TrainingArguments`` is built, before a script loads data. ``TrainingArguments(bf16=True)`` on
 a machine without an accelerator trains in bf16 on the CPU (:func:`_bf16_on_cpu`) instead of
 failing on every process.
 """
@@ -39,11 +41,13 @@ from ..updates import check_saved_inner_step, check_saved_state_keys, elementwis
 from .accelerate_plugin import check_flexdemo_layout, fp16_refusal
 from .callback import FlexDeMoCallback
 from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
+from .final_model import save_model
 from .patches import applies, located, wrap
 from .resume import check_checkpoint_model, check_saved_settings, stop_if_complete
 from .simulation import check_simulation_args
 from .training_args import (
     OPTIM_NAME,
+    check_training_arguments,
     describe,
     flexdemo_config,
     flexdemo_kwargs,
@@ -149,7 +153,15 @@ def mark_mean_loss_model(model) -> bool:
     return True
 
 
-def _bf16_on_cpu(original, self, *args, **kwargs):
+def _training_arguments_post_init(original, self, *args, **kwargs):
+    """``TrainingArguments.__post_init__``: :func:`_bf16_on_cpu` before it, :func:`check_training_arguments` after
+    it (once ``optim`` is the enum member; a script has loaded no data yet)."""
+    _bf16_on_cpu(self)
+    original(self, *args, **kwargs)
+    check_training_arguments(self)
+
+
+def _bf16_on_cpu(self) -> None:
     """``--bf16`` without an accelerator trains in bf16 on the CPU instead of failing on every process.
 
     transformers refuses ``bf16`` without a bf16 GPU unless ``use_cpu`` is set ("Your setup doesn't
@@ -165,7 +177,6 @@ def _bf16_on_cpu(original, self, *args, **kwargs):
                 "autocast; use_cpu=True is set for it). Drop --bf16 to train in float32, which is often faster on "
                 "CPUs without bf16 instructions."
             )
-    original(self, *args, **kwargs)
 
 
 def _trainer_init(original, self, *args, **kwargs):
@@ -298,7 +309,8 @@ def install() -> None:
     wrap("transformers.modelcard.extract_hyperparameters_from_trainer", _card_hyperparameters)
     # Before __init__: callbacks run after the data is loaded; train(): a callback is too late
     # to choose the checkpoint that train() loads.
-    wrap("transformers.TrainingArguments.__post_init__", _bf16_on_cpu)  # before transformers refuses it
+    wrap("transformers.TrainingArguments.__post_init__", _training_arguments_post_init)
     wrap("transformers.Trainer.__init__", _trainer_init)
     wrap("transformers.Trainer.train", _trainer_train)
+    wrap("transformers.Trainer.save_model", save_model)  # the whole model, also under a sharded state dict
     _INSTALLED = True

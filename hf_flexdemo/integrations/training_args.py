@@ -55,9 +55,24 @@ def _settings(optim_args, lr, weight_decay, betas, eps) -> tuple[dict[str, Any],
 
 
 def describe(args: TrainingArguments) -> str:
-    """One line naming the optimizer and the settings that act (for logs and model cards)."""
+    """One line naming the optimizer, its ``wire`` preset if one was named, and the settings that act (for logs
+    and model cards): ``FlexDeMo(wire='2bit', scheme='demo', topk=...)``."""
     config = flexdemo_config(args)
-    return "FlexDeMo(" + ", ".join(f"{k}={getattr(config, k)!r}" for k in config.acting_settings()) + ")"
+    preset = [f"wire={config.wire!r}"] if config.wire is not None else []
+    return "FlexDeMo(" + ", ".join(preset + [f"{k}={getattr(config, k)!r}" for k in config.acting_settings()]) + ")"
+
+
+def check_training_arguments(args: TrainingArguments) -> None:
+    """What the arguments alone decide, refused when ``TrainingArguments`` is built: before a script loads data.
+
+    ``optim_args`` against FlexDeMo's settings (with ``--learning_rate``, ``--weight_decay``, the betas and
+    epsilon), FlexDeMo's settings under another optimizer. What needs the model or the mesh is checked when the
+    Trainer is built.
+    """
+    if is_flexdemo(args):
+        flexdemo_config(args)  # ValueError with the optimizer's own message
+    else:
+        refuse_flexdemo_args_for_other_optimizers(args)
 
 
 def refuse_flexdemo_args_for_other_optimizers(args: TrainingArguments) -> None:

@@ -2,6 +2,10 @@
 
 Kept per parameter in the optimizer state (so a checkpoint restores them) and added on the
 host between reads, so that counting costs no host synchronisation per step.
+
+The baseline is the one a user would otherwise run: HSDP's ring all-reduce of bf16 gradients
+(:func:`bf16_dense_bytes`, 2 bytes per parameter), whatever dtype this run's gradients have, so
+that the logged ratio (:func:`x_fewer_than_bf16_dense`) and README's wire table agree.
 """
 
 from __future__ import annotations
@@ -18,9 +22,22 @@ if TYPE_CHECKING:
     from ..buckets import ParamSlot
     from .in_flight import InFlight
 
+DENSE_BYTES_PER_PARAM = 2
+"""The baseline's gradients are bf16, as a bf16 run's HSDP all-reduce sends them."""
+
 COUNTERS = "comm_bytes"
 """Per-rank int64 pair kept in each parameter's state: bytes this process put on the inter-node
-link, and what a dense ring all-reduce of its gradients would have put there."""
+link, and what the dense bf16 ring all-reduce of its gradients would have put there."""
+
+
+def bf16_dense_bytes(numel: int, replicas: int) -> int:
+    """What one process puts on the inter-node link to all-reduce ``numel`` bf16 gradients among ``replicas``."""
+    return ring_all_reduce_bytes(numel * DENSE_BYTES_PER_PARAM, replicas)
+
+
+def x_fewer_than_bf16_dense(sent: float, dense: float) -> float:
+    """How many times fewer bytes ``sent`` is than ``dense`` (:func:`bf16_dense_bytes`); 0 when nothing was sent."""
+    return dense / sent if sent else 0.0
 
 
 class ByteCounters:
@@ -42,9 +59,10 @@ class ByteCounters:
             sent = self.wire_bytes(sum(nbytes(t) for t in payload), replicas) if job.ctx.replicate else 0
             pending = self._uncounted.setdefault(id(bucket.slots), [bucket.slots, 0, 0])
             pending[1] += sent
-            pending[2] += ring_all_reduce_bytes(seen, replicas) * bucket.count
-            dense += seen * bucket.count
-        stats.dense_bytes = ring_all_reduce_bytes(dense, replicas)
+            numel = bucket.shape.numel() if seen else 0  # this process's shard of each parameter
+            pending[2] += bf16_dense_bytes(numel, replicas) * bucket.count
+            dense += numel * bucket.count
+        stats.dense_bytes = bf16_dense_bytes(dense, replicas)
         self.last_step = stats
 
     def flush(self) -> None:

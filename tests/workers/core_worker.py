@@ -118,7 +118,7 @@ def check_schemes(mesh, coords, spy) -> dict:
             "per_step": per_step,
             "total_sent": total.bytes_sent,
             "total_dense": total.dense_bytes,
-            "dense_expected": sum(p.to_local().numel() * 4 for p in model.parameters()) * 20,
+            "dense_expected": sum(p.to_local().numel() * 2 for p in model.parameters()) * 20,  # bf16 baseline
             "ns_dtype_agreed": opt.config.update == "orthogonal" and opt.config.ns_dtype == "auto",
         }
     return out
