@@ -38,7 +38,8 @@ class CommStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     dense_bytes: int = 0
-    """What a dense ring all-reduce of the same gradients would have sent (the HSDP baseline)."""
+    """What a dense ring all-reduce of the same gradients in bf16 would have sent (the HSDP baseline,
+    :func:`hf_flexdemo.optim.counters.bf16_dense_bytes`)."""
     collectives: int = 0
     seconds: float = 0.0
     """Wall time this process spent in (or waiting for) the collectives: per step only."""
@@ -47,14 +48,9 @@ class CommStats:
         return CommStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     @property
-    def compression_ratio(self) -> float:
-        """Dense all-reduce bytes over bytes sent (inf when nothing was sent)."""
+    def x_fewer_than_bf16_dense(self) -> float:
+        """The bf16 dense all-reduce's bytes over the bytes sent (inf when nothing was sent)."""
         return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("inf")
-
-    def as_dict(self, prefix: str = "") -> dict[str, float]:
-        out = {f"{prefix}{f.name}": getattr(self, f.name) for f in fields(self)}
-        out[f"{prefix}compression_ratio"] = self.compression_ratio
-        return out
 
 
 class Exchange:

@@ -115,8 +115,8 @@ def main() -> None:
             f"\n{args.steps} steps in {time.perf_counter() - start:.1f}s on {args.nodes} nodes x "
             f"{world // args.nodes} processes, scheme={args.scheme}\n"
             f"inter-node bytes sent by node 0: {node.bytes_sent / 1e6:.2f} MB with FlexDeMo, "
-            f"{node.dense_bytes / 1e6:.2f} MB with a dense gradient all-reduce "
-            f"({node.compression_ratio:.0f}x fewer)"
+            f"{node.dense_bytes / 1e6:.2f} MB with a dense bf16 gradient all-reduce "
+            f"({node.x_fewer_than_bf16_dense:.0f}x fewer)"
         )
     dist.destroy_process_group()
 
