@@ -4,11 +4,13 @@ same rule uncompressed.
 The preset ``olmo2_long`` is the 1.6M-parameter OLMo2 of the quality study (width 128, 2 layers, a 4,096-token
 byte-level BPE, 128-token blocks) trained 4,000 steps of 2 replicas x 16 blocks: 16.4M tokens, 10.4 per parameter,
 with a 5% linear warmup and a cosine decay to zero (the Trainer's ``lr_scheduler_type=cosine``), on the Python
-source that the installed packages ship (``--offline_text python_source``), evaluated 20 times on 256 held-out
-blocks. Replicas are simulated in one process (``simulate_replicas=2``) where the scheme keeps one model after
-every step, and run on 2 nodes x 2 processes where it does not (SparseLoCo's outer steps).
+source that the installed packages ship (``--offline_text python_source``), evaluated 20 times on 16 held-out
+files. The text's training split holds 10.8M tokens (84,391 blocks; seed 0 on this machine's packages), so a run
+sees it 1.52 times; 20 tokens per parameter would see it 3 times. Replicas are simulated in one process
+(``simulate_replicas=2``) where the scheme keeps one model after every step, and run on 2 nodes x 2 processes where
+it does not (SparseLoCo's outer steps).
 
-Each configuration's rate is chosen at full length: a bracket around its short-run best (``SHORT_RUN_BEST``) on
+Each configuration's rate is chosen at full length: a bracket around its short-run best (``LongConfig.short_best``) on
 seed 0, one more rate beyond an edge that wins, then the other seeds at the winner. One command per stage::
 
     # the plan: every run, its steps, tokens, tokens per parameter and estimated hours (no training)
@@ -54,7 +56,7 @@ class LongPreset:
     steps: int = 4000
     evals: int = 20
     warmup: float = 0.05  # of the steps (the Trainer's warmup_steps below 1)
-    eval_samples: int = 256
+    eval_files: int = 16  # --max_eval_samples counts documents: the first 16 held-out files, 300 to 390 blocks
     offline_text: str = "python_source"
 
     @property
@@ -77,7 +79,7 @@ class LongPreset:
             "--block_size", str(self.block_size), "--max_steps", str(self.steps),
             "--lr_scheduler_type", "cosine", "--warmup_steps", str(self.warmup),
             "--eval_strategy", "steps", "--eval_steps", str(self.eval_every),
-            "--logging_steps", str(max(self.eval_every // 4, 1)), "--max_eval_samples", str(self.eval_samples),
+            "--logging_steps", str(max(self.eval_every // 4, 1)), "--max_eval_samples", str(self.eval_files),
             "--logging_nan_inf_filter", "false",  # a diverged run's loss logged as NaN, not hidden
             "--save_strategy", "no", "--report_to", "none",
         ]  # fmt: skip
@@ -384,7 +386,7 @@ def dry_run(args, preset: LongPreset) -> list[str]:
         f"layers, vocabulary {preset.vocab_size}), {preset.steps:,} steps x {preset.replicas} replicas x "
         f"{preset.blocks_per_replica} blocks x {preset.block_size} tokens = {tokens:,} tokens, "
         f"{tokens / preset.parameters:.1f} tokens per parameter; cosine decay after a {preset.warmup:.0%} warmup; "
-        f"{preset.evals} evaluations (every {preset.eval_every} steps) on {preset.eval_samples} blocks; "
+        f"{preset.evals} evaluations (every {preset.eval_every} steps) on {preset.eval_files} held-out files; "
         f"text: --offline_text {preset.offline_text}",
         f"study directory {args.out}: {len(rows)} runs finished",
         "| # | phase | config | layout | lr | seed | steps | tokens | tokens/param | est. h | state |",
@@ -392,9 +394,12 @@ def dry_run(args, preset: LongPreset) -> list[str]:
     ]
     total = left = 0.0
     plan_items = plan(rows, args.configs)
+    seeds = set()  # a seed's text is tokenized by its first run only
     for number, item in enumerate(plan_items, 1):
         row = done(rows, item.config, item.lr, item.seed) if item.lr is not None else None
-        hours = (row["wall_s"] if row else estimate_s(rows, item.config, preset.steps, item.seed)) / 3600
+        first = item.seed if item.seed not in seeds else None
+        seeds.add(item.seed)
+        hours = (row["wall_s"] if row else estimate_s(rows, item.config, preset.steps, first)) / 3600
         total += hours
         left += 0 if row else hours
         state = ("diverged" if row["diverged"] else f"done, {row['final_eval_loss']:.4f}") if row else "to run"
@@ -553,7 +558,8 @@ def report(out: Path, wire_bytes_path: Path) -> str:
         f"{preset.tokens_per_step:,} tokens ({tokens:,} tokens, {tokens / rows[0]['parameters']:.1f} per parameter), "
         f"cosine decay after a {preset.warmup:.0%} warmup, on `--offline_text {preset.offline_text}` "
         f"({held['corpus']['documents']:,} files, {held['corpus']['chars'] / 1e6:.1f} MB; the text seen "
-        f"{max(epochs):.2f} times at most), {preset.evals} evaluations on {preset.eval_samples} held-out blocks. "
+        f"{max(epochs):.2f} times at most), {preset.evals} evaluations on the first {preset.eval_files} held-out files "
+        "(the split is seeded: each seed holds out its own). "
         f"Device: {rows[0]['device']}. Replicas: 2, simulated in one process except "
         f"{', '.join(c for c, s in LONG_CONFIGS.items() if s.layout == NODES)} (2 nodes x 2 processes).",
         "",
