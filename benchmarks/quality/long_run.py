@@ -5,10 +5,10 @@ The preset ``olmo2_long`` is the 1.6M-parameter OLMo2 of the quality study (widt
 byte-level BPE, 128-token blocks) trained 4,000 steps of 2 replicas x 16 blocks: 16.4M tokens, 10.4 per parameter,
 with a 5% linear warmup and a cosine decay to zero (the Trainer's ``lr_scheduler_type=cosine``), on the Python
 source that the installed packages ship (``--offline_text python_source``), evaluated 20 times on 16 held-out
-files. The text's training split holds 10.8M tokens (84,391 blocks; seed 0 on this machine's packages), so a run
-sees it 1.52 times; 20 tokens per parameter would see it 3 times. Replicas are simulated in one process
-(``simulate_replicas=2``) where the scheme keeps one model after every step, and run on 2 nodes x 2 processes where
-it does not (SparseLoCo's outer steps).
+files. The text's training split holds 10.5M tokens (81,874 blocks; seed 0 on this machine's packages), so a run
+sees it 1.56 times (each row's ``epochs``); 20 tokens per parameter would see it 3 times. Replicas are simulated
+in one process (``simulate_replicas=2``) where the scheme keeps one model after every step, and run on 2 nodes x 2
+processes where it does not (SparseLoCo's outer steps).
 
 Each configuration's rate is chosen at full length: a bracket around its short-run best (``LongConfig.short_best``) on
 seed 0, one more rate beyond an edge that wins, then the other seeds at the winner. One command per stage::
@@ -130,12 +130,13 @@ SEEDS = {name: (0, 1) for name in LONG_CONFIGS} | {"wire_demo": (0, 1, 2), "adam
 PHASES = ("bracket", "edge", "seeds", "third seed")
 RULE_COST = {"adamw_torch": 1.0, "flexdemo": 1.57}
 """A step's cost against AdamW's (medians of the 250-step study at 1.6M): scales a measured run to another rule."""
-PRIOR = {"steps": 40, "train_s": 60.0, "step_s": 0.6, "setup_s": 60.0, "optim": "adamw_torch"}
-"""Before any run of a study has finished, the estimate: the pilot (adamw_hsdp, 40 steps, 20 evaluations,
-2026-12-02 on 2 shared cores under load): its training loop (``train_s``, evaluations included), a step of it
-without them, and the rest of the run (start, the closing evaluation, saving)."""
-PREPARE_S = 480.0
-"""The first run of a seed tokenizes its text (the split is seeded) into ``DATA_CACHE``: the pilot's took 8 min."""
+PRIOR = {"steps": 40, "train_s": 149.3, "step_s": 1.16, "setup_s": 60.0, "optim": "adamw_torch"}
+"""Before any run of a study has finished, the estimate: the pilot (adamw_hsdp, 40 steps, 20 evaluations of 5.6 s,
+2026-12-02 on 2 shared cores under load, half the CPU time stolen): its training loop (``train_s``, evaluations
+included), a step of it without them, and the rest of a run (start, the closing evaluation, saving)."""
+PREPARE_S = 300.0
+"""The first run of a seed tokenizes its text (the split is seeded) into ``DATA_CACHE``: 1 to 8 min in the pilots,
+as the load varied."""
 FRACTIONS = (0.1, 0.25, 0.5, 1.0)
 
 
@@ -585,7 +586,10 @@ def report(out: Path, wire_bytes_path: Path) -> str:
             continue
         vs = [f"{row['loss_mean'] / ready[b]['loss_mean'] - 1:+.2%}" if b in ready else "-" for b in BASELINES]
         edge = ", at the edge" if row["at_edge"] else ""
-        moved = "" if row["lr"] == LONG_CONFIGS[config].short_best else " (moved)"
+        complete = all(done(rows, config, lr, 0) for lr in bracket(config))
+        moved = (
+            "" if row["lr"] == LONG_CONFIGS[config].short_best else " (moved)" if complete else " (bracket incomplete)"
+        )
         lines.append(
             f"| {config} | {swept} | {row['lr']:g}{edge} | {LONG_CONFIGS[config].short_best:g}{moved} "
             f"| {len(row['runs'])} | {row['loss_mean']:.4f} +- {row['spread']:.4f} | {vs[0]} | {vs[1]} |"
