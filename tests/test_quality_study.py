@@ -376,7 +376,8 @@ def test_the_long_studys_time_budget_starts_no_run_that_would_not_finish(tmp_pat
 def test_the_long_reports_gaps_grow_or_shrink_along_the_run_and_the_time_to_adamws_loss(tmp_path):
     import json
 
-    from long_run import StudyDir, gaps, loss_at, manifest, report, summary, time_to_adamw
+    from long_report import gaps, loss_at, report, summary, time_to_adamw
+    from long_run import StudyDir, manifest
     from time_to_loss import RATES, step_seconds
 
     baseline = [(100, 6.0), (200, 5.0), (400, 4.0)]
