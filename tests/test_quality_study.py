@@ -225,3 +225,215 @@ def test_every_configuration_is_settings_the_package_takes():
             FlexDeMoConfig.from_optim_args(optim_args)
     spelled = FlexDeMoConfig.from_optim_args(CONFIGS["wire_top144_c128_2bit_ortho_adam"][1])
     assert (spelled.topk, spelled.chunk, spelled.scale_topk, spelled.value_bits) == (144, 128, True, 2)
+
+
+# The long run (issue 64): its plan, the study directory's guard, divergence, the time budget and the report.
+
+
+def long_args(tmp_path, **changes):
+    import argparse
+
+    from long_run import LONG_CONFIGS
+
+    base = dict(out=tmp_path, configs=tuple(LONG_CONFIGS), time_budget=0, steps=None, dry_run=False, report=None)
+    return argparse.Namespace(**(base | changes))
+
+
+def long_row(config, lr, seed, losses, steps=100, wall_s=1000.0, train_s=900.0, step_s=9.0, diverged=False):
+    """A finished long run as runs.json holds it: ``losses`` at evenly spaced evaluations."""
+    from long_run import LONG_CONFIGS, LongPreset
+
+    per_step = LongPreset().tokens_per_step
+    evals = [{"step": steps * (i + 1) // len(losses), "eval_loss": loss} for i, loss in enumerate(losses)]
+    for e in evals:
+        e["tokens"] = e["step"] * per_step
+    return {
+        "config": config, "lr": lr, "seed": seed, "steps": steps, "evals": evals, "diverged": diverged,
+        "final_eval_loss": None if diverged else losses[-1], "wall_s": wall_s, "train_s": train_s, "step_s": step_s,
+        "optim": LONG_CONFIGS[config].optim, "epochs": 1.5, "parameters": 1_574_016, "device": "CPU (2 cores)",
+        "bytes_per_step": 100.0, "dense_bytes_per_step": 10_000.0,
+    }  # fmt: skip
+
+
+def test_the_long_plan_trains_ten_tokens_per_parameter_and_lists_every_run(tmp_path, capsys):
+    from long_run import LONG_CONFIGS, LongPreset, dry_run, olmo2_parameters, run_args
+
+    preset = LongPreset()
+    assert preset.steps * preset.tokens_per_step / preset.parameters >= 10
+    lines = dry_run(long_args(tmp_path), preset)
+    runs = [line for line in lines if line.startswith("| ") and line[2].isdigit()]
+    assert len(runs) == 6 * 3 + 6 + 2  # a bracket of 3 each, a second seed each, a third for demo and AdamW-HSDP
+    brackets = [r.split(" | ") for r in runs if "| bracket |" in r]
+    for name, spec in LONG_CONFIGS.items():
+        rates = sorted(float(r[4]) for r in brackets if r[2] == name)
+        assert rates == pytest.approx([spec.short_best / 2, spec.short_best, spec.short_best * 2]), name
+    assert all(float(r.split(" | ")[8]) >= 10 for r in runs)  # tokens per parameter, every run
+    assert "26 runs" in lines[-1] and "h in all" in lines[-1] and not (tmp_path / "study.json").exists()
+    # the parameters the plan counts are the stock script's model's
+    sys.path.insert(0, str(REPO_ROOT / "training_scripts"))
+    from train_olmo2 import Olmo2Arguments, offline_model
+
+    class Tokenizer:
+        pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+
+        def __len__(self):
+            return 300
+
+    model = offline_model(Olmo2Arguments(hidden_size=32, num_layers=3, block_size=16), Tokenizer())
+    assert olmo2_parameters(300, 32, 3) == sum(p.numel() for p in model.parameters())
+    # every layout trains the same blocks a step: 2 simulated replicas x 16, or 2 nodes x 2 processes x 8
+    simulated, one_process = run_args(preset, "wire_demo", 4e-3, 0)
+    nodes, apart = run_args(preset, "sparseloco_h4_2bit", 3.2e-2, 0)
+    assert one_process and not apart
+    assert simulated[simulated.index("--per_device_train_batch_size") + 1] == "16"
+    assert simulated[simulated.index("--gradient_accumulation_steps") + 1] == "2"
+    assert "simulate_replicas=2" in simulated[simulated.index("--optim_args") + 1]
+    assert (
+        nodes[nodes.index("--per_device_train_batch_size") + 1] == "8" and "--gradient_accumulation_steps" not in nodes
+    )
+    for args in (simulated, nodes):
+        assert (
+            args[args.index("--lr_scheduler_type") + 1] == "cosine" and args[args.index("--warmup_steps") + 1] == "0.05"
+        )
+        assert args[args.index("--offline_text") + 1] == "python_source"
+
+
+def test_a_long_study_resumed_with_another_step_count_or_corpus_is_refused_naming_it(tmp_path):
+    from long_run import LongPreset, dry_run, study
+
+    def never(*args):
+        raise AssertionError("a refused study ran")
+
+    corpus = {"offline_text": "python_source", "documents": 3, "chars": 10, "sha1": "aa"}
+    assert study(long_args(tmp_path, configs=()), LongPreset(), run=never, fingerprint=lambda text: corpus)
+    with pytest.raises(SystemExit, match=r"steps: the directory holds 4000, this command 40\b"):
+        study(long_args(tmp_path), LongPreset(steps=40), run=never, fingerprint=lambda text: corpus)
+    with pytest.raises(SystemExit, match=r"steps: the directory holds 4000, this command 40\b"):
+        dry_run(long_args(tmp_path), LongPreset(steps=40))
+    other = corpus | {"sha1": "bb"}  # another machine's packages: another text
+    with pytest.raises(SystemExit, match=r"corpus: the directory holds .*'aa'.*this command .*'bb'"):
+        study(long_args(tmp_path), LongPreset(), run=never, fingerprint=lambda text: other)
+    with pytest.raises(SystemExit, match=r"settings: .*'hidden_size': 128.*'hidden_size': 64"):
+        study(long_args(tmp_path), LongPreset(hidden_size=64), run=never, fingerprint=lambda text: corpus)
+
+
+def test_a_long_run_that_diverges_is_recorded_at_its_rate_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    import json
+
+    import long_run
+    import quality_study
+
+    def fake_launch(script, args, out, one_process=False):
+        lr = float(args[args.index("--learning_rate") + 1])
+        broken = float("nan") if lr > 1e-2 else 4.0 + abs(lr - 8e-3) * 100  # the largest rate diverges, 8e-3 wins
+        history = [{"step": 50, "loss": 5.0, "epoch": 0.5}, {"step": 100, "loss": broken, "epoch": 1.0}]
+        history += [{"step": s, "eval_loss": loss, "eval_runtime": 1.0} for s, loss in ((50, 5.0), (100, broken))]
+        history += [{"step": 100, "train_runtime": 52.0}, {"step": 100, "eval_loss": broken, "eval_runtime": 1.0}]
+        out.mkdir(parents=True)
+        (out / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+
+    monkeypatch.setattr(quality_study, "launch", fake_launch)
+    monkeypatch.setattr(quality_study, "parameter_count", lambda out: 1000)
+    corpus = {"offline_text": "python_source", "sha1": "aa"}
+    preset = long_run.LongPreset(steps=100)
+    assert long_run.study(long_args(tmp_path, configs=("wire_2bit",)), preset, fingerprint=lambda text: corpus)
+    text = (tmp_path / "runs.json").read_text()
+    rows = json.loads(text, parse_constant=lambda name: pytest.fail(f"runs.json holds {name}"))
+    assert [(r["lr"], r["seed"], r["diverged"]) for r in rows] == [
+        (4e-3, 0, False), (8e-3, 0, False), (1.6e-2, 0, True), (8e-3, 1, False)
+    ]  # fmt: skip
+    broken = rows[2]
+    assert (
+        broken["final_eval_loss"] is None and broken["evals"][-1]["eval_loss"] is None and broken["phase"] == "bracket"
+    )
+    good = rows[1]
+    assert [(e["step"], e["tokens"]) for e in good["evals"]] == [(50, 50 * 4096), (100, 100 * 4096)]
+    assert good["final_eval_loss"] == pytest.approx(4.0) and good["step_s"] == pytest.approx(0.5)  # evals left out
+    assert good["tokens"] == 100 * 4096 and good["parameters"] == 1000 and good["epochs"] == 1.0
+    assert good["device"].startswith("CPU")
+
+
+def test_the_long_studys_time_budget_starts_no_run_that_would_not_finish(tmp_path, monkeypatch):
+    import long_run
+
+    clock, calls = [0.0], []
+
+    def fake_run(preset, config, lr, seed, work):
+        calls.append((config, lr, seed))
+        clock[0] += 1000
+        return long_row(config, lr, seed, [5.0, 4.0 - lr], steps=preset.steps, wall_s=1000.0, step_s=9.0)
+
+    monkeypatch.setattr(long_run.time, "time", lambda: clock[0])
+    preset, corpus = long_run.LongPreset(steps=100), (lambda text: {"sha1": "aa"})
+    args = long_args(tmp_path, configs=("wire_demo",), time_budget=2500)
+    # the first run's estimate is the pilot's; the second's its own 1,000 s, which end by 2,000 s; the third's would not
+    assert not long_run.study(args, preset, run=fake_run, fingerprint=corpus)
+    rows = long_run.StudyDir(tmp_path).rows
+    assert len(calls) == 2 and long_run.estimate_s(rows, "wire_demo", 200) == 900 + 100 * 9 + 100
+    assert long_run.estimate_s(rows, "wire_demo", 200, seed=1) == 1900 + long_run.PREPARE_S  # its text tokenized first
+    assert long_run.estimate_s(rows, "adamw_hsdp", 200) == pytest.approx(1800 / long_run.RULE_COST["flexdemo"] + 100)
+    args.time_budget = 1e9
+    assert long_run.study(args, preset, run=fake_run, fingerprint=corpus)  # resumed: nothing twice
+    assert len(calls) == len(set(calls)) == 3 + 1 + 2  # its bracket, the edge above (best at 8e-3), seeds 1, 2
+    assert calls[3] == ("wire_demo", 1.6e-2, 0) and calls[4:] == [("wire_demo", 1.6e-2, 1), ("wire_demo", 1.6e-2, 2)]
+
+
+def test_the_long_reports_gaps_grow_or_shrink_along_the_run_and_the_time_to_adamws_loss(tmp_path):
+    import json
+
+    from long_report import gaps, loss_at, report, summary, time_to_adamw
+    from long_run import StudyDir, manifest
+    from time_to_loss import RATES, step_seconds
+
+    baseline = [(100, 6.0), (200, 5.0), (400, 4.0)]
+    curve = [(100, 6.6), (200, 5.25), (400, 4.0)]  # 10% behind early, level at the end
+    assert loss_at(curve, 300) == pytest.approx(4.625)
+    assert gaps(curve, baseline, 400, (0.5, 1.0)) == pytest.approx({0.5: 0.05, 1.0: 0.0})
+    assert gaps(curve, baseline, 400, (0.1, 0.25)) == {0.1: None, 0.25: pytest.approx(0.1)}  # none before the first
+    with pytest.raises(ValueError, match="outside"):
+        loss_at(curve, 500)
+
+    from long_run import LongPreset
+
+    preset = LongPreset(steps=100)
+    rows = [
+        long_row("adamw_hsdp", 4e-3, 0, [6.0, 5.0, 4.5, 4.0]),
+        long_row("adamw_hsdp", 4e-3, 1, [6.2, 5.2, 4.7, 4.2]),
+        long_row("adamw_hsdp", 8e-3, 0, [6.0, 5.0, 4.5, 4.3]),
+        long_row("full", 4e-3, 0, [5.0, 4.2, 3.9, 3.6]),
+        long_row("wire_demo", 4e-3, 0, [5.5, 4.5, 4.3, 3.8]),
+        long_row("wire_demo", 4e-3, 1, [5.7, 4.7, 4.5, 3.9]),
+        long_row("wire_demo", 8e-3, 0, [9.0, 9.0, 9.0, 9.0], diverged=True),
+    ]
+    StudyDir(tmp_path).start(manifest(preset, {"offline_text": "python_source", "documents": 3, "chars": 1e6}))
+    for row in rows:
+        StudyDir(tmp_path).append(row)
+    table = summary(rows)
+    demo = table["wire_demo"]
+    assert demo["lr"] == 4e-3 and len(demo["runs"]) == 2 and demo["loss_mean"] == pytest.approx(3.85)
+    assert demo["spread"] == pytest.approx(0.05) and demo["at_edge"]  # 8e-3 diverged: the best is the lowest rate
+    per_step = preset.tokens_per_step
+    assert demo["curve"][0] == (25 * per_step, pytest.approx(5.6))
+    adamw_mean = table["adamw_hsdp"]["curve"]
+    assert gaps(demo["curve"], adamw_mean, 100 * per_step, (0.25, 1.0)) == pytest.approx(
+        {0.25: 5.6 / 6.1 - 1, 1.0: 3.85 / 4.1 - 1}
+    )
+    wire = {"dense_bytes": 1e9, "demo": 2e7}
+    reach = time_to_adamw(table, wire)
+    # demo's mean (4.4 at 75%, 3.85 at 100%) is first at or below AdamW-HSDP's final mean (4.1) at the last evaluation
+    for rate, bits in RATES.items():
+        expected = step_seconds("flexdemo", 2e7, bits) / step_seconds("adamw", 1e9, bits)
+        assert reach["wire_demo"][rate] == pytest.approx(expected)
+        assert reach["adamw_hsdp"][rate] == pytest.approx(1.0)
+    wire_path = tmp_path / "wire_presets.json"
+    wire_path.write_text(json.dumps({"dense_bytes": 1e9, "presets": [{"wire": "demo", "bytes_per_step": 2e7}]}))
+    text = report(tmp_path, wire_path)
+    row = "| wire_demo | 0.004 (3.8000), 0.008 (diverged) | 0.004, at the edge | 0.004 | 2 | 3.8500 +- 0.0500 |"
+    assert row in text
+    assert (
+        f"| wire_demo | - | {5.6 / 6.1 - 1:+.2%} |" in text and "--report benchmarks/results/quality/long_run" in text
+    )
+    assert (tmp_path / "README.md").read_text() == text
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "adamw_hsdp_loss_vs_tokens.png", "full_loss_vs_tokens.png", "wire_demo_loss_vs_tokens.png"
+    ]  # fmt: skip

@@ -34,6 +34,13 @@ run fine-tunes it on the documentation's prose through the stock script
     .venv/bin/python benchmarks/quality/quality_study.py --model olmo2_ft --steps 100 --seeds 0 1 2 \\
         --out benchmarks/results/quality/quality_olmo2_ft
 
+``--stage long`` is the long-run study (issue 64: each wire at ten tokens per parameter, rates bracketed at full
+length; ``benchmarks/quality/long_run.py``)::
+
+    .venv/bin/python benchmarks/quality/quality_study.py --stage long --dry_run  # the plan and its hours
+    nice -n 10 .venv/bin/python benchmarks/quality/quality_study.py --stage long --time_budget 36000
+    .venv/bin/python benchmarks/quality/quality_study.py --stage long --report benchmarks/results/quality/long_run
+
 Writes ``<out>/runs.json`` (every run, resumable: finished runs are not repeated), and with
 ``--report`` the markdown table and ``loss_vs_steps.png``, ``loss_vs_time_100mbit.png``,
 ``loss_vs_time_1gbit.png``.
@@ -52,6 +59,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import long_run
 
 from hf_flexdemo.config import WIRE_PRESETS
 
@@ -825,7 +834,7 @@ def report(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=tuple(PRESETS), default="olmo2")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, help="default 300 (--stage long: the long preset's, 4,000)")
     parser.add_argument("--batch", type=int, help="per process (default: the preset's, 8 for OLMo2, 16 for T5)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
@@ -838,7 +847,7 @@ def main() -> None:
         metavar="CONFIG=LR[:LR...]",
         help="replace a configuration's swept rates (SWEEPS; e.g. demo=2e-3 runs the seeds at 2e-3)",
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality" / "study")
+    parser.add_argument("--out", type=Path, help="default benchmarks/results/quality/study (--stage long: long_run)")
     parser.add_argument("--report", type=Path, help="only write the table and plots of this study directory")
     parser.add_argument(
         "--retime",
@@ -850,16 +859,31 @@ def main() -> None:
     parser.add_argument("--retime_steps", type=int, default=40, help="steps of each timing run")
     parser.add_argument("--wire_bytes", action="store_true", help="only measure --configs' bytes per step")
     parser.add_argument(
-        "--time_budget", type=float, default=0, help="seconds: start no run after this (0: no limit); resume later"
+        "--time_budget",
+        type=float,
+        default=0,
+        help="seconds: start no run after this (--stage long: no run that would end after it); 0: no limit; resume "
+        "later",
     )
     parser.add_argument(
-        "--dry_run", action="store_true", help=f"{SIMULATED} presets: each configuration 3 steps on a tiny model"
+        "--dry_run",
+        action="store_true",
+        help=f"{SIMULATED} presets: each configuration 3 steps on a tiny model (--stage long: the plan, no training)",
     )
+    parser.add_argument(
+        "--stage", choices=("long",), help="long: the long-run study (issue 64; benchmarks/quality/long_run.py)"
+    )
+    long_run.add_arguments(parser)
     args = parser.parse_args()
+    check_plotting()
+    if args.stage == "long":
+        long_run.main(args)
+        return
+    args.steps = args.steps or 300
+    args.out = args.out or ROOT / "benchmarks" / "results" / "quality" / "study"
     if args.configs is None:
         args.configs = list(SCALE_CONFIGS if args.model in SIMULATED else CONFIGS)
     args.rates = {k: tuple(float(v) for v in lrs.split(":")) for k, _, lrs in (r.partition("=") for r in args.rates)}
-    check_plotting()
     if args.report:
         report(args.report)
         return

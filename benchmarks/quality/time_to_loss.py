@@ -51,6 +51,12 @@ STEP_MS = {"adamw": 1.58, "flexdemo": 41.19}
 """That rank's optimizer step: fused AdamW on its shards; the default rule (torch path, its Newton-Schulz share)."""
 
 
+def step_seconds(rule: str, sent: float, rate: float) -> float:
+    """A step of OLMo2-1B on one rank of a node of 8 H100s: the forward and backward, ``rule``'s optimizer step
+    ('adamw' or 'flexdemo', :data:`STEP_MS`), and the ``sent`` bytes of a node at ``rate`` bit/s, not overlapped."""
+    return (FORWARD_BACKWARD_MS + STEP_MS[rule]) / 1e3 + 8 * sent / rate
+
+
 def preset_config(table: dict, model: str, preset: str) -> str:
     """The study's configuration for a preset: the preset as a user names it (``wire_<preset>_ortho_adam``, its
     rate swept on this code) where it ran 3 seeds, else its twin (the same coefficients; older runs)."""
@@ -100,9 +106,9 @@ def modelled(study: Path, wire_bytes: dict, also: list[Path] = ()) -> list[dict]
             "adamw_steps": total_steps,
         }
         for rate_name, rate in RATES.items():
-            adamw_s = (FORWARD_BACKWARD_MS + STEP_MS["adamw"]) / 1e3 + 8 * wire_bytes["dense_bytes"] / rate
+            adamw_s = step_seconds("adamw", wire_bytes["dense_bytes"], rate)
             # (an outer-step point's inner step is the default rule's Newton-Schulz, most of that step's time)
-            step_s = (FORWARD_BACKWARD_MS + STEP_MS["flexdemo"]) / 1e3 + 8 * sent / rate
+            step_s = step_seconds("flexdemo", sent, rate)
             ratio = None if reached is None else reached * step_s / (total_steps * adamw_s)
             record[f"x_adamw_time {rate_name}"] = ratio
             record[f"x_adamw_run {rate_name}"] = step_s / adamw_s  # the same steps: the whole run's time
