@@ -52,8 +52,6 @@ VARIANTS = {  # wire formats of the top-k schemes, run like the schemes
     "demo_ortho_adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam"),
     # Muon's inner step between SparseLoCo's outer steps (issue 45, direction 3)
     "sparseloco_ortho": dict(scheme="sparseloco", update="orthogonal", value_bits=2, pack_indices=True),
-    # One side of rank-2 factors at 1 bit, with the default rule (issue 45, direction 2)
-    "lowrank_1bit": dict(scheme="lowrank", factor_rank=2, value_bits=1),
 }
 SMALL = dict(topk=4, chunk=8, rate=0.25, inner_steps=5)
 
@@ -141,7 +139,6 @@ def check_oracle(mesh, coords) -> dict:
         "demo_ortho": dict(scheme="demo", update="orthogonal", elementwise_update="sign", ns_dtype="float32"),
         "full_ortho": dict(scheme="full", update="orthogonal", elementwise_update="sign", ns_dtype="float32"),
         "demo_ortho_adam": dict(scheme="demo", update="orthogonal", elementwise_update="adam", ns_dtype="float32"),
-        "demo_ortho_ns3": dict(scheme="demo", update="orthogonal", elementwise_update="adam", ns_dtype="float32", ns_steps=3),
     }
     group = mesh["replicate"].get_group()
     replicas = mesh["replicate"].size()
@@ -209,11 +206,8 @@ def spatial_momentum(opt, p, hp) -> torch.Tensor:
 
 
 def shared_index_state(opt, p) -> torch.Tensor:
-    """What picks the next positions on every replica alike: the shared index set, the derived set's score, or the
-    low-rank basis."""
-    state = opt.state[p]
-    kept = next((state[key] for key in ("shared_index_mask", "derived_score", "lowrank_basis") if key in state), None)
-    kept = torch.zeros(0) if kept is None else kept
+    """What picks the next positions on every replica alike: the shared index set."""
+    kept = opt.state[p].get("shared_index_mask", torch.zeros(0))
     return local_tensor(kept).clone()
 
 
@@ -222,16 +216,12 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
     out = {}
     names = ("demo", "random", "diloco", "sparseloco", "sparseloco_ortho", "demo_overlap", "demo_shared", "demo_adam")
     names += ("demo_ortho",)
-    for name in (*names, "demo_eliasfano", "demo_derived", "lowrank"):
+    for name in (*names, "demo_eliasfano"):
         scheme, _, variant = name.partition("_")
         hp = {**SMALL, "scheme": scheme, "lr": 1e-2, "inner_steps": 4}
         hp.update(overlap=variant == "overlap", shared_indices=variant == "shared")
         if variant == "eliasfano":  # wire=2bit's wire format
             hp.update(value_bits=2, pack_indices=True, index_coding="elias_fano")
-        if variant == "derived":  # values at the positions every replica derives, beside the top 4
-            hp.update(derived_topk=8, value_bits=1, pack_indices=True, index_coding="elias_fano")
-        if scheme == "lowrank":  # one side of rank-2 factors at 1 bit, in a basis the replicas share
-            hp.update(factor_rank=2, value_bits=1)
         outer = scheme in ("diloco", "sparseloco")  # AdamW inside unless 'ortho' (an explicit 'sign' is refused)
         hp.update(update={"adam": "adam", "ortho": "orthogonal"}.get(variant, None if outer else "sign"))
         model = build(mesh)

@@ -27,18 +27,10 @@ CONFIGS = {
 }
 """The sign rule and the default rule, on DeMo's wire and the two compressed presets the issue names (``2bit``
 codes its indices in Elias-Fano). The presets keep their own top-k on the default 64 x 64 tiles."""
-CONFIGS["default_derived"] = dict(SMALL, derived_topk=8, value_bits=1, pack_indices=True, index_coding="elias_fano")
-"""The default rule with positions every replica derives (``derived_topk``) beside the top 4."""
 CONFIGS["default_scaled"] = dict(
     SMALL, topk=16, scale_topk=True, value_bits=2, pack_indices=True, index_coding="elias_fano"
 )
 """The default rule with a smaller tile keeping its share of the top 16 of 8 x 8 (``scale_topk``)."""
-CONFIGS["default_blocks"] = dict(
-    SMALL, topk=8, topk_block=2, value_bits=1, pack_indices=True, index_coding="elias_fano"
-)
-"""The default rule with the top 8 of 8 x 8 tiles picked as 2 blocks of 2 x 2, one index each (``topk_block``)."""
-CONFIGS["default_lowrank"] = dict(scheme="lowrank", factor_rank=2, value_bits=1)
-"""The default rule on one side of rank-2 factors at 1 bit (``scheme='lowrank'``)."""
 
 
 def train(name: str, replicas: int, rank: int | None, mesh=None) -> dict:
