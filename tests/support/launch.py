@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -85,7 +86,9 @@ def read_rank_results(out_dir: Path, nprocs: int) -> list[dict]:
 PORTS_PER_WORKER = 1500
 FIRST_PORT = 15_000
 """Below Linux's ephemeral range (32768 on), which the kernel hands out for port 0 (gloo, TCPStores)."""
-_handed_out = 0
+_handed_out = random.randrange(PORTS_PER_WORKER)
+"""Where this test process starts in its range: two pytest sessions on one machine rarely hand out the same port
+(a port checked free is taken only later, by the launch it is for)."""
 
 
 def free_port() -> int:
