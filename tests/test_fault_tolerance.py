@@ -47,9 +47,12 @@ LATE_NODE_WAIT = ("--slow_step_s", "3")
 
 
 def ft_args(extra: str = "", timeout: float = FT_TIMEOUT_S, quorum_timeout: float = 60, topk: int = 8) -> list[str]:
+    """The torchft settings, with a small top-k on the schemes that pick one (the others refuse topk and chunk)."""
+    scheme = re.search(r"scheme=(\w+)", extra)
+    tiles = f"topk={topk},chunk=16," if "topk" in traits_of(scheme[1] if scheme else "demo").reads else ""
     return [
         "--optim_args",
-        f"topk={topk},chunk=16,fault_tolerance=torchft,ft_timeout={timeout},quorum_timeout={quorum_timeout}{extra}",
+        f"{tiles}fault_tolerance=torchft,ft_timeout={timeout},quorum_timeout={quorum_timeout}{extra}",
     ]
 
 

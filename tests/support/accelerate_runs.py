@@ -10,8 +10,9 @@ from .launch import TESTS_DIR, child_env, free_port, run_checked
 
 COMMON = (
     "--max_steps 8 --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --learning_rate 1e-3 "
-    "--logging_steps 1 --save_steps 4 --report_to none --seed 7 --optim_args topk=8,chunk=16"
+    "--logging_steps 1 --save_steps 4 --report_to none --seed 7 --optim flexdemo --optim_args topk=8,chunk=16"
 ).split()
+"""--optim flexdemo: the worker sets each run's own optim; FlexDeMo's keys under another optim are refused when parsed."""
 
 
 def launch_command(*script_and_args: str, config: str = "cpu_2x2.yaml") -> list[str]:
