@@ -225,8 +225,9 @@ def save_full_model(trainer: Trainer) -> None:
     """Save full weights to ``output_dir`` (call on every process: gathering is collective).
 
     ``Trainer.save_model`` gathers them under a sharded state dict too (:mod:`hf_flexdemo.integrations.final_model`).
+    Called as the Trainer calls it itself, so that it does not push: the run's final push follows, with the card.
     """
-    trainer.save_model()
+    trainer.save_model(_internal_call=True)
 
 
 class ScriptTrainerMixin:
