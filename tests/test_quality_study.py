@@ -256,10 +256,12 @@ def long_row(config, lr, seed, losses, steps=100, wall_s=1000.0, train_s=900.0, 
 
 
 def test_the_long_plan_trains_ten_tokens_per_parameter_and_lists_every_run(tmp_path, capsys):
-    from long_run import LONG_CONFIGS, LongPreset, dry_run, olmo2_parameters, run_args
+    from long_run import DEFAULT_PRESET, LONG_CONFIGS, LONG_PRESETS, LongPreset, dry_run, olmo2_parameters, run_args
 
     preset = LongPreset()
     assert preset.steps * preset.tokens_per_step / preset.parameters >= 10
+    small = LONG_PRESETS[DEFAULT_PRESET]
+    assert small.steps * small.tokens_per_step / small.parameters >= 20 and small.parameters == 262_720
     lines = dry_run(long_args(tmp_path), preset)
     runs = [line for line in lines if line.startswith("| ") and line[2].isdigit()]
     assert len(runs) == 6 * 3 + 6 + 2  # a bracket of 3 each, a second seed each, a third for demo and AdamW-HSDP
@@ -369,9 +371,10 @@ def test_the_long_studys_time_budget_starts_no_run_that_would_not_finish(tmp_pat
     # the first run's estimate is the pilot's; the second's its own 1,000 s, which end by 2,000 s; the third's would not
     assert not long_run.study(args, preset, run=fake_run, fingerprint=corpus)
     rows = long_run.StudyDir(tmp_path).rows
-    assert len(calls) == 2 and long_run.estimate_s(rows, "wire_demo", 200) == 900 + 100 * 9 + 100
-    assert long_run.estimate_s(rows, "wire_demo", 200, seed=1) == 1900 + long_run.PREPARE_S  # its text tokenized first
-    assert long_run.estimate_s(rows, "adamw_hsdp", 200) == pytest.approx(1800 / long_run.RULE_COST["flexdemo"] + 100)
+    longer = long_run.LongPreset(steps=200)
+    assert len(calls) == 2 and long_run.estimate_s(rows, "wire_demo", longer) == 900 + 100 * 9 + 100
+    assert long_run.estimate_s(rows, "wire_demo", longer, seed=1) == 1900 + long_run.PREPARE_S  # tokenized first
+    assert long_run.estimate_s(rows, "adamw_hsdp", longer) == pytest.approx(1800 / long_run.RULE_COST["flexdemo"] + 100)
     args.time_budget = 1e9
     assert long_run.study(args, preset, run=fake_run, fingerprint=corpus)  # resumed: nothing twice
     assert len(calls) == len(set(calls)) == 3 + 1 + 2  # its bracket, the edge above (best at 8e-3), seeds 1, 2

@@ -1,14 +1,19 @@
 """The loss over a long run (issue 64): each wire at ten tokens per parameter or more, against AdamW-HSDP and the
 same rule uncompressed.
 
-The preset ``olmo2_long`` is the 1.6M-parameter OLMo2 of the quality study (width 128, 2 layers, a 4,096-token
-byte-level BPE, 128-token blocks) trained 4,000 steps of 2 replicas x 16 blocks: 16.4M tokens, 10.4 per parameter,
-with a 5% linear warmup and a cosine decay to zero (the Trainer's ``lr_scheduler_type=cosine``), on the Python
-source that the installed packages ship (``--offline_text python_source``), evaluated 20 times on 16 held-out
-files. The text's training split holds 10.5M tokens (81,874 blocks; seed 0 on this machine's packages), so a run
-sees it 1.56 times (each row's ``epochs``); 20 tokens per parameter would see it 3 times. Replicas are simulated
-in one process (``simulate_replicas=2``) where the scheme keeps one model after every step, and run on 2 nodes x 2
-processes where it does not (SparseLoCo's outer steps).
+Two presets of the quality study's OLMo2 (untied head, byte-level BPE, 128-token blocks), each trained in steps of
+2 replicas x 16 blocks (4,096 tokens), with a 5% linear warmup and a cosine decay to zero (the Trainer's
+``lr_scheduler_type=cosine``), on the Python source that the installed packages ship (``--offline_text
+python_source``), evaluated 20 times on 16 held-out files:
+
+- ``olmo2_long_263k`` (the default): width 64, 2 layers, a 1,024-token vocabulary; 262,720 parameters trained
+  1,300 steps, 5.3M tokens, 20.3 per parameter. Its text's training split holds 14.0M tokens (109,667 blocks), so
+  a run sees 0.38 of it. The whole plan fits one sitting on 2 cores (about 3 min a simulated run).
+- ``olmo2_long``: the 1.6M-parameter model of the short study (width 128, a 4,096-token vocabulary); 4,000 steps,
+  16.4M tokens, 10.4 per parameter, its text seen 1.56 times; about 14 h of runs on 2 idle cores.
+
+Replicas are simulated in one process (``simulate_replicas=2``) where the scheme keeps one model after every step,
+and run on 2 nodes x 2 processes where it does not (SparseLoCo's outer steps).
 
 Each configuration's rate is chosen at full length: a bracket around its short-run best (``LongConfig.short_best``) on
 seed 0, one more rate beyond an edge that wins, then the other seeds at the winner. One command per stage::
@@ -17,11 +22,12 @@ seed 0, one more rate beyond an edge that wins, then the other seeds at the winn
     .venv/bin/python benchmarks/quality/quality_study.py --stage long --dry_run
     # the runs, in the plan's order; each finished run is appended to runs.json at once (commit it as it comes),
     # and no run starts that the budget would not see finish; the same command resumes
-    nice -n 10 .venv/bin/python benchmarks/quality/quality_study.py --stage long --time_budget 36000
+    nice -n 10 .venv/bin/python benchmarks/quality/quality_study.py --stage long --time_budget 7200
     # the report: README.md and a PNG per configuration in the study directory
-    .venv/bin/python benchmarks/quality/quality_study.py --stage long --report benchmarks/results/quality/long_run
+    .venv/bin/python benchmarks/quality/quality_study.py --stage long --report benchmarks/results/quality/olmo2_long_263k
 
-(``benchmarks/quality/long_run.py`` takes the same flags; its dry run imports neither torch nor transformers. The
+(``--long_preset olmo2_long`` for the 1.6M model; its study directory is ``benchmarks/results/quality/olmo2_long``.
+``benchmarks/quality/long_run.py`` takes the same flags; its dry run imports neither torch nor transformers. The
 report is ``long_report.py``.)
 """
 
@@ -39,7 +45,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STUDY_DIR = ROOT / "benchmarks" / "results" / "quality" / "long_run"
+RESULTS = ROOT / "benchmarks" / "results" / "quality"
 SIMULATED, NODES = "simulated", "nodes"
 
 
@@ -57,7 +63,7 @@ class LongPreset:
     steps: int = 4000
     evals: int = 20
     warmup: float = 0.05  # of the steps (the Trainer's warmup_steps below 1)
-    eval_files: int = 16  # --max_eval_samples counts documents: the first 16 held-out files, 300 to 390 blocks
+    eval_files: int = 16  # --max_eval_samples counts documents: the first 16 held-out files, 300 to 400 blocks
     offline_text: str = "python_source"
 
     @property
@@ -84,6 +90,13 @@ class LongPreset:
             "--logging_nan_inf_filter", "false",  # a diverged run's loss logged as NaN, not hidden
             "--save_strategy", "no", "--report_to", "none",
         ]  # fmt: skip
+
+
+LONG_PRESETS = {
+    "olmo2_long_263k": LongPreset(name="olmo2_long_263k", hidden_size=64, vocab_size=1024, steps=1300),
+    "olmo2_long": LongPreset(),
+}
+DEFAULT_PRESET = "olmo2_long_263k"
 
 
 def olmo2_parameters(vocab: int, hidden: int, layers: int) -> int:
@@ -131,10 +144,13 @@ SEEDS = {name: (0, 1) for name in LONG_CONFIGS} | {"wire_demo": (0, 1, 2), "adam
 PHASES = ("bracket", "edge", "seeds", "third seed")
 RULE_COST = {"adamw_torch": 1.0, "flexdemo": 1.57}
 """A step's cost against AdamW's (medians of the 250-step study at 1.6M): scales a measured run to another rule."""
-PRIOR = {"steps": 40, "train_s": 149.3, "step_s": 1.16, "setup_s": 60.0, "optim": "adamw_torch"}
-"""Before any run of a study has finished, the estimate: the pilot (adamw_hsdp, 40 steps, 20 evaluations of 5.6 s,
-2026-12-02 on 2 shared cores under load, half the CPU time stolen): its training loop (``train_s``, evaluations
-included), a step of it without them, and the rest of a run (start, the closing evaluation, saving)."""
+PILOTS = {
+    "olmo2_long_263k": {"steps": 60, "train_s": 20.9, "step_s": 0.131, "setup_s": 9.0, "optim": "adamw_torch"},
+    "olmo2_long": {"steps": 60, "train_s": 54.7, "step_s": 0.470, "setup_s": 40.0, "optim": "flexdemo"},
+}
+"""Before any run of a study has finished, the estimate: each preset's pilot (60 steps, 20 evaluations; 2026-12-02
+on 2 idle cores): its training loop (``train_s``, evaluations included), a step of it without them, and the rest of
+a run (start, the closing evaluation, saving)."""
 PREPARE_S = 300.0
 """The first run of a seed tokenizes its text (the split is seeded) into ``DATA_CACHE``: 1 to 8 min in the pilots,
 as the load varied."""
@@ -194,20 +210,20 @@ def edge_pending(rows: list[dict], config: str) -> bool:
     return lr is not None and done(rows, config, lr, 0) is None
 
 
-def estimate_s(rows: list[dict], config: str, steps: int, seed: int | None = None) -> float:
+def estimate_s(rows: list[dict], config: str, preset: "LongPreset", seed: int | None = None) -> float:
     """Seconds a run of ``config`` will take: the training loop of its own slowest finished run, else of the study's
-    slowest scaled by the rules' cost, else the pilot's (:data:`PRIOR`), each scaled from its steps to ``steps`` (the
+    slowest scaled by the rules' cost, else the preset's pilot (:data:`PILOTS`), each scaled from its steps to ``steps`` (the
     evaluations stay 20); plus the least start-up of any run, and for a seed no run has used, its text's
     tokenizing (:data:`PREPARE_S`)."""
-    optim = LONG_CONFIGS[config].optim
+    optim, steps, prior = LONG_CONFIGS[config].optim, preset.steps, PILOTS[preset.name]
 
     def scaled(row: dict) -> float:
         return (row["train_s"] + (steps - row["steps"]) * row["step_s"]) * RULE_COST[optim] / RULE_COST[row["optim"]]
 
     own = [r for r in rows if r["config"] == config]
-    setup = min((r["wall_s"] - r["train_s"] for r in rows if not r.get("prepared_data")), default=PRIOR["setup_s"])
+    setup = min((r["wall_s"] - r["train_s"] for r in rows if not r.get("prepared_data")), default=prior["setup_s"])
     fresh = seed is not None and all(r["seed"] != seed for r in rows)
-    return max(map(scaled, own or rows or [PRIOR])) + setup + (PREPARE_S if fresh else 0.0)
+    return max(map(scaled, own or rows or [prior])) + setup + (PREPARE_S if fresh else 0.0)
 
 
 class StudyDir:
@@ -359,7 +375,7 @@ def study(args, preset: LongPreset, run=run_one, fingerprint=corpus_fingerprint)
             item = todo[0]
             if item.lr is None:  # cannot happen: a winner's bracket and edge come first in the plan
                 raise AssertionError(f"long run: {item} has no rate yet")
-            need = estimate_s(store.rows, item.config, preset.steps, item.seed)
+            need = estimate_s(store.rows, item.config, preset, item.seed)
             if time.time() + need > deadline:
                 left = max(deadline - time.time(), 0)
                 print(
@@ -401,7 +417,7 @@ def dry_run(args, preset: LongPreset) -> list[str]:
         row = done(rows, item.config, item.lr, item.seed) if item.lr is not None else None
         first = item.seed if item.seed not in seeds else None
         seeds.add(item.seed)
-        hours = (row["wall_s"] if row else estimate_s(rows, item.config, preset.steps, first)) / 3600
+        hours = (row["wall_s"] if row else estimate_s(rows, item.config, preset, first)) / 3600
         total += hours
         left += 0 if row else hours
         state = ("diverged" if row["diverged"] else f"done, {row['final_eval_loss']:.4f}") if row else "to run"
@@ -416,7 +432,7 @@ def dry_run(args, preset: LongPreset) -> list[str]:
     lines.append(
         f"{len(plan_items)} runs, {total:.1f} h in all, {left:.1f} h to run (one run at a time on this machine); "
         f"up to {edges} more where a bracket's best sits at its edge (one rate beyond it each, about "
-        f"{estimate_s(rows, 'wire_demo', preset.steps) / 3600:.2f} h apiece)"
+        f"{estimate_s(rows, 'wire_demo', preset) / 3600:.2f} h apiece)"
     )  # fmt: skip
     print("\n".join(lines))
     return lines
@@ -428,8 +444,9 @@ def dry_run(args, preset: LongPreset) -> list[str]:
 def main(args) -> None:
     """``--stage long``: ``args.out`` (None: the study directory), ``steps`` (None: the preset's), ``long_configs``,
     ``dry_run``, ``report`` (a study directory), ``time_budget``."""
-    preset = LongPreset(steps=args.steps or LongPreset.steps)
-    args.out = args.out or STUDY_DIR
+    chosen = LONG_PRESETS[args.long_preset or DEFAULT_PRESET]
+    preset = dataclasses.replace(chosen, steps=args.steps or chosen.steps)
+    args.out = args.out or RESULTS / preset.name
     args.configs = tuple(c for c in LONG_CONFIGS if c in (args.long_configs or LONG_CONFIGS))
     import long_report
 
@@ -444,14 +461,17 @@ def main(args) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long_configs", nargs="+", choices=list(LONG_CONFIGS), help="--stage long: a subset")
+    parser.add_argument(
+        "--long_preset", choices=list(LONG_PRESETS), help=f"--stage long: the model and schedule (default {DEFAULT_PRESET})"
+    )
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     cli = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(cli)
-    cli.add_argument("--out", type=Path, help=f"the study directory (default {STUDY_DIR.relative_to(ROOT)})")
-    cli.add_argument("--steps", type=int, help=f"the long preset's steps (default {LongPreset.steps})")
+    cli.add_argument("--out", type=Path, help="the study directory (default benchmarks/results/quality/<preset>)")
+    cli.add_argument("--steps", type=int, help="the long preset's steps (default: the preset's)")
     cli.add_argument("--dry_run", action="store_true", help="the plan and its estimate, nothing run")
     cli.add_argument("--report", type=Path, help="only write README.md and the PNGs of this study directory")
     cli.add_argument("--time_budget", type=float, default=0, help="seconds: start no run that would end after it")

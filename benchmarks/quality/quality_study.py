@@ -34,12 +34,12 @@ run fine-tunes it on the documentation's prose through the stock script
     .venv/bin/python benchmarks/quality/quality_study.py --model olmo2_ft --steps 100 --seeds 0 1 2 \\
         --out benchmarks/results/quality/quality_olmo2_ft
 
-``--stage long`` is the long-run study (issue 64: each wire at ten tokens per parameter, rates bracketed at full
+``--stage long`` is the long-run study (issue 64: each wire at 20 tokens per parameter, rates bracketed at full
 length; ``benchmarks/quality/long_run.py``)::
 
     .venv/bin/python benchmarks/quality/quality_study.py --stage long --dry_run  # the plan and its hours
-    nice -n 10 .venv/bin/python benchmarks/quality/quality_study.py --stage long --time_budget 36000
-    .venv/bin/python benchmarks/quality/quality_study.py --stage long --report benchmarks/results/quality/long_run
+    nice -n 10 .venv/bin/python benchmarks/quality/quality_study.py --stage long --time_budget 7200
+    .venv/bin/python benchmarks/quality/quality_study.py --stage long --report benchmarks/results/quality/olmo2_long_263k
 
 Writes ``<out>/runs.json`` (every run, resumable: finished runs are not repeated), and with
 ``--report`` the markdown table and ``loss_vs_steps.png``, ``loss_vs_time_100mbit.png``,
@@ -834,7 +834,7 @@ def report(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=tuple(PRESETS), default="olmo2")
-    parser.add_argument("--steps", type=int, help="default 300 (--stage long: the long preset's, 4,000)")
+    parser.add_argument("--steps", type=int, help="default 300 (--stage long: the long preset's)")
     parser.add_argument("--batch", type=int, help="per process (default: the preset's, 8 for OLMo2, 16 for T5)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
@@ -847,7 +847,7 @@ def main() -> None:
         metavar="CONFIG=LR[:LR...]",
         help="replace a configuration's swept rates (SWEEPS; e.g. demo=2e-3 runs the seeds at 2e-3)",
     )
-    parser.add_argument("--out", type=Path, help="default benchmarks/results/quality/study (--stage long: long_run)")
+    parser.add_argument("--out", type=Path, help="default benchmarks/results/quality/study (--stage long: the long preset's name)")
     parser.add_argument("--report", type=Path, help="only write the table and plots of this study directory")
     parser.add_argument(
         "--retime",
