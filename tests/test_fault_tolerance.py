@@ -11,12 +11,16 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from support.ft_nodes import Lighthouse, Node, free_port, wait_until
+from support.launch import child_env
 
 from hf_flexdemo import FlexDeMo
 from hf_flexdemo.fault_tolerance.timeline import PHASES, RoundClock
@@ -475,6 +479,34 @@ def test_scheme_none_trains_each_node_alone(tmp_path):
     results = [node.result(0) for node in nodes]
     assert results[0]["committed"] == results[1]["committed"] >= 6  # every step committed by both
     assert results[0]["fingerprint"] != results[1]["fingerprint"]  # by design
+
+
+@pytest.mark.multiprocess
+def test_a_node_that_exits_with_an_exchange_pending_exits_cleanly(tmp_path):
+    """Node 0 exits while its all-reduce waits for node 1. Left to the interpreter's teardown, the
+    collective completed on a gloo thread that could no longer take the GIL: SIGABRT, "terminate
+    called without an active exception", after a run that went well. The node frees its group at exit."""
+    house = Lighthouse(tmp_path / "lighthouse.log", min_replicas=2)
+    worker = str(Path(__file__).parent / "workers" / "exit_pending.py")
+    try:
+        nodes = [
+            subprocess.Popen(
+                [sys.executable, worker],
+                env=child_env(TORCHFT_LIGHTHOUSE=house.address, REPLICA_GROUP_ID=str(i), NUM_REPLICA_GROUPS="2"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    finally:
+        house.stop()
+    for i, (node, output) in enumerate(zip(nodes, outputs)):
+        assert node.returncode == 0, f"node{i} exited with {node.returncode}:\n{output[-3000:]}"
+        assert "terminate called" not in output
+    assert "node0 exits with its exchange pending" in outputs[0]
+    assert "node1 summed [2.0, 2.0, 2.0, 2.0]" in outputs[1]
 
 
 @pytest.mark.faults

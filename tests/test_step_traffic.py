@@ -26,7 +26,7 @@ from step_traffic import (  # noqa: E402
     TARGETS,
     StepTraffic,
     olmo2_shapes,
-    third_step_traffic,
+    steady_step_traffic,
     unavailable,
 )
 
@@ -76,19 +76,19 @@ def test_a_custom_op_counts_as_one_op_with_its_real_inputs_and_outputs():
 def test_fused_adamw_counts_its_four_tensors_read_and_written(small_olmo2, dtype, per_param):
     # Parameter, gradient and both moments in the parameter dtype: read 4, write 4. The gradient is written
     # because _fused_adamw_'s schema marks it mutated (Tensor(b!)[] grads).
-    mode, numel = third_step_traffic("fused AdamW", *small_olmo2, dtype)
+    mode, numel = steady_step_traffic("fused AdamW", *small_olmo2, dtype)
     assert mode.read["step"] / numel == pytest.approx(per_param / 2, abs=1e-3)  # plus the step counters
     assert mode.total() / numel == pytest.approx(per_param, abs=1e-3)
 
 
 def test_sign_update_torch_path_stays_within_its_traffic_budget(small_olmo2):
-    mode, numel = third_step_traffic("sign", *small_olmo2, torch.bfloat16)
+    mode, numel = steady_step_traffic("sign", *small_olmo2, torch.bfloat16)
     assert mode.total(NS_BUCKET) == 0
     assert mode.total() / numel <= SIGN_BF16_BUDGET
 
 
 def test_newton_schulz_goes_to_its_own_bucket(small_olmo2):
-    mode, numel = third_step_traffic("default", *small_olmo2, torch.bfloat16)
+    mode, numel = steady_step_traffic("default", *small_olmo2, torch.bfloat16)
     assert 0 < mode.total(NS_BUCKET) < mode.total()
     assert "aten.baddbmm.default" in mode.by_op[NS_BUCKET]
     assert "aten.baddbmm.default" not in mode.by_op["step"]
@@ -101,7 +101,7 @@ def test_the_fused_sign_path_meets_its_traffic_target():
     # A small layout (Triton's interpreter is slow): 15.2 bytes per parameter here (23.2 before weight decay was
     # folded into the decode and the gradients were read unstacked).
     shapes, vocab = olmo2_shapes(1, 128, vocab=128)
-    mode, numel = third_step_traffic("sign, fused", shapes, vocab, torch.bfloat16)
+    mode, numel = steady_step_traffic("sign, fused", shapes, vocab, torch.bfloat16)
     assert mode.total() / numel <= TARGETS["sign"]
 
 
@@ -112,5 +112,5 @@ def test_the_fused_default_rule_meets_its_traffic_target_outside_newton_schulz()
     # The same small layout as the sign path's (22.5 here); the embedding and head (adam) hold a larger share of it
     # than of 16 layers of width 256, whose figure BENCHMARKS.md lists.
     shapes, vocab = olmo2_shapes(1, 128, vocab=128)
-    mode, numel = third_step_traffic("default, fused", shapes, vocab, torch.bfloat16)
+    mode, numel = steady_step_traffic("default, fused", shapes, vocab, torch.bfloat16)
     assert (mode.total() - mode.total(NS_BUCKET)) / numel <= TARGETS["default outside NS"]

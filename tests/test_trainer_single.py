@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -11,8 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support.accelerate_runs import launch_command
-from support.launch import TESTS_DIR, child_env, run_checked, torchrun
+from support.launch import TESTS_DIR, child_env, torchrun
 from support.tiny_hf import dataset, tiny_model, tokenizer
 from transformers import HfArgumentParser, Trainer, TrainingArguments, default_data_collator
 
@@ -183,22 +181,6 @@ def test_t5_family_is_marked_as_averaging_its_own_loss(tok):
     t5, llama = tiny_model("t5", len(tok)), tiny_model("llama", len(tok))
     assert mark_mean_loss_model(t5) and t5.accepts_loss_kwargs is False
     assert not mark_mean_loss_model(llama) and not hasattr(llama, "accepts_loss_kwargs")
-
-
-@pytest.mark.lowest
-@pytest.mark.multiprocess
-def test_launcher_runs_an_unmodified_trainer_script(tmp_path):
-    """accelerate launch -m hf_flexdemo.run <script>: the script never imports hf_flexdemo."""
-    script = str(TESTS_DIR / "workers" / "plain_trainer_script.py")
-    flags = f"--output_dir {tmp_path} --max_steps 4 --per_device_train_batch_size 4 --logging_steps 1"
-    flags += " --report_to none --save_strategy no --optim flexdemo --optim_args topk=8,chunk=16"
-    cmd = launch_command("-m", "hf_flexdemo.run", script, *flags.split())
-    proc = run_checked(cmd, timeout=600, env=child_env(PYTHONWARNINGS="default"))
-    # FlexDeMo shards over the mesh's own dp_shard: no rank slices a flattened dimension (torch warns if one does).
-    assert "Slicing a flattened dim" not in proc.stdout + proc.stderr
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert report["optimizer"] == "FlexDeMo"
-    assert all("flexdemo/bytes_sent" in h for h in report["log_history"] if "loss" in h)
 
 
 def fake_state(**overrides):

@@ -442,8 +442,8 @@ def free_port() -> int:
 
 def launch(script: str, args: list[str], out: Path, one_process: bool = False) -> None:
     """A user's command: ``accelerate launch`` on 2 nodes x 2 processes, or (``one_process``) the script alone."""
-    if one_process:  # every core to the one process
-        cmd, threads = [sys.executable], str(os.cpu_count() or 1)
+    if one_process:  # every core to the one process, unless OMP_NUM_THREADS says otherwise (a shared machine)
+        cmd, threads = [sys.executable], os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
     else:
         cmd, threads = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG)], "1"
         cmd += ["--main_process_port", str(free_port())]
