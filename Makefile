@@ -57,11 +57,15 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/cpu_2x2.yaml \
 		training_scripts/train_t5.py --preset offline
 
-test: test-lowest test-lean test-newest $(STAMP)
-	$(PYTHON) -m pytest -q --durations=10 -m "not lean"
+# The unit tier's tests are one process each, most of them one thread: two at a time on two cores (pytest-xdist).
+# Every other test starts processes of its own and runs alone.
+UNIT_WORKERS ?= 2
+
+test: test-lowest test-lean test-newest test-unit
+	$(PYTHON) -m pytest -q --durations=10 -m "not lean and not unit"
 
 test-unit: $(STAMP)
-	$(PYTHON) -m pytest -q -m unit
+	$(PYTHON) -m pytest -q -m unit -n $(UNIT_WORKERS)
 
 test-lowest: $(LOWEST_STAMP)
 	$(LOWEST_VENV)/bin/python -m pytest -q -m lowest
@@ -69,7 +73,7 @@ test-lowest: $(LOWEST_STAMP)
 # The unit tier, and one 2 x 2 launch of a user's own Trainer script (tests/test_user_script.py).
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_VENV)/bin/python -c 'import torch; print("torch", torch.__version__)'
-	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m unit
+	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m unit -n $(UNIT_WORKERS)
 	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -m multiprocess tests/test_user_script.py
 
 test-lean: $(LEAN_STAMP)
