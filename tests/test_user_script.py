@@ -7,7 +7,6 @@ weights: the run must still end with a Hub model that loads and gives the eval l
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import re
@@ -21,13 +20,14 @@ from support.fake_hub import FakeHub
 from support.faults import small_disk
 from support.launch import REPO_ROOT, TESTS_DIR, child_env, free_port, run_checked
 
+from hf_flexdemo.integrations.trainer import TRANSFORMERS_MAJOR
+
 SCRIPT = TESTS_DIR / "workers" / "user_clm_script.py"
 CONFIG = REPO_ROOT / "accelerate_configs" / "cpu_2x2.yaml"
 STEPS = 4
 PRESET = "2bit"
 EVAL_BATCH = 4
 REPO = "test-user/user-clm"
-TRANSFORMERS_MAJOR = int(importlib.metadata.version("transformers").split(".")[0])
 
 
 @pytest.fixture(scope="module")
