@@ -409,8 +409,10 @@ def test_the_long_reports_gaps_grow_or_shrink_along_the_run_and_the_time_to_adam
         long_row("wire_demo", 8e-3, 0, [9.0, 9.0, 9.0, 9.0], diverged=True),
     ]
     StudyDir(tmp_path).start(manifest(preset, {"offline_text": "python_source", "documents": 3, "chars": 1e6}))
-    for row in rows:
-        StudyDir(tmp_path).append(row)
+    first, second = StudyDir(tmp_path), StudyDir(tmp_path)  # two study processes, each with its own configs
+    for i, row in enumerate(rows):
+        (second if i % 2 else first).append(row)
+    assert StudyDir(tmp_path).rows == json.loads(json.dumps(rows))  # neither wrote over the other's rows
     table = summary(rows)
     demo = table["wire_demo"]
     assert demo["lr"] == 4e-3 and len(demo["runs"]) == 2 and demo["loss_mean"] == pytest.approx(3.85)
@@ -434,7 +436,7 @@ def test_the_long_reports_gaps_grow_or_shrink_along_the_run_and_the_time_to_adam
     row = "| wire_demo | 0.004 (3.8000), 0.008 (diverged) | 0.004, at the edge | 0.004 | 2 | 3.8500 +- 0.0500 |"
     assert row in text
     assert (
-        f"| wire_demo | - | {5.6 / 6.1 - 1:+.2%} |" in text and "--report benchmarks/results/quality/long_run" in text
+        f"| wire_demo | - | {5.6 / 6.1 - 1:+.2%} |" in text and "--report benchmarks/results/quality/olmo2_long\n" in text
     )
     assert (tmp_path / "README.md").read_text() == text
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [

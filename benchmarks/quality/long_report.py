@@ -153,7 +153,7 @@ def report(out: Path, wire_bytes_path: Path) -> str:
         "    .venv/bin/python benchmarks/quality/quality_study.py --stage long --dry_run",
         "    nice -n 10 .venv/bin/python benchmarks/quality/quality_study.py --stage long --time_budget SECONDS",
         "    .venv/bin/python benchmarks/quality/quality_study.py --stage long \\",
-        "        --report benchmarks/results/quality/long_run",
+        f"        --report benchmarks/results/quality/{preset.name}",
         "",
         "Each rate is chosen at full length on seed 0 (the bracket); the seeds then run at it. "
         f"{len(rows)} runs in `runs.json`.",

@@ -227,12 +227,29 @@ def estimate_s(rows: list[dict], config: str, preset: "LongPreset", seed: int | 
 
 
 class StudyDir:
-    """``study.json`` (the preset, steps and corpus the runs share) and ``runs.json`` (every finished run)."""
+    """``study.json`` (the preset, steps and corpus the runs share) and ``runs.json`` (every finished run).
+
+    Several study processes may share one directory, each with its own ``--long_configs``: every append re-reads
+    the file under a lock, and each process reads the others' rows before it picks its next run."""
 
     def __init__(self, path: Path):
         self.path = path
         self.runs_path = path / "runs.json"
+        self.rows = self.reload()
+
+    def reload(self) -> list[dict]:
         self.rows = json.loads(self.runs_path.read_text()) if self.runs_path.exists() else []
+        return self.rows
+
+    def append(self, row: dict) -> None:
+        import fcntl
+
+        with (self.path / ".runs.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.reload().append(row)
+            written = self.runs_path.with_suffix(".json.tmp")
+            written.write_text(json.dumps(self.rows, indent=1) + "\n")
+            written.replace(self.runs_path)  # a reader never sees half a file
 
     def check(self, manifest: dict) -> None:
         """Refuse a study resumed with another preset, step count or corpus than the directory holds."""
@@ -252,10 +269,6 @@ class StudyDir:
         self.check(manifest)
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "study.json").write_text(json.dumps(manifest, indent=1) + "\n")
-
-    def append(self, row: dict) -> None:
-        self.rows.append(row)
-        self.runs_path.write_text(json.dumps(self.rows, indent=1) + "\n")
 
 
 def manifest(preset: LongPreset, corpus: dict | None) -> dict:
@@ -365,6 +378,7 @@ def study(args, preset: LongPreset, run=run_one, fingerprint=corpus_fingerprint)
     deadline = time.time() + args.time_budget if args.time_budget else math.inf
     with tempfile.TemporaryDirectory() as tmp:
         while True:
+            store.reload()  # another process's finished runs too
             todo = [
                 p
                 for p in plan(store.rows, args.configs)
