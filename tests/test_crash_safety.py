@@ -150,16 +150,6 @@ def test_a_job_whose_launcher_is_killed_stops_and_relaunched_with_the_same_comma
     assert last["best_model_checkpoint"] == str(tmp_path / f"checkpoint-{last['best_global_step']}")
 
 
-def test_restarts_with_a_shared_rendezvous_store_are_refused_before_training(tmp_path):
-    # The config's static rendezvous; refused before training, whatever the layout.
-    command = t5_command(tmp_path, launch=("--max_restarts", "1"), config=LAYOUT_FREE)
-    proc = subprocess.run(command, env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "--max_restarts=1 cannot restart this job" in proc.stderr
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in proc.stderr and "--rdzv_backend c10d" in proc.stderr
-    assert not checkpoints(tmp_path)
-
-
 def test_a_full_disk_gives_one_clear_error_and_keeps_complete_checkpoints(uninterrupted):
     checkpoint_mb = sum(f.stat().st_size for f in (uninterrupted / "checkpoint-1").rglob("*") if f.is_file()) / 2**20
     with small_disk(int(checkpoint_mb * 2.6) + 1) as disk:

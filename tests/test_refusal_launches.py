@@ -53,13 +53,16 @@ def assert_refused_once(returncode: int, output: str, message: str) -> None:
 
 @pytest.mark.multiprocess
 def test_a_refusal_is_said_once_by_the_first_process_without_a_traceback_in_every_restart_round(tmp_path):
-    # torch's agent restarts a refused job like any failed one: every round refuses again, silently after the first.
-    flags = ["--rdzv_backend", "c10d", "--max_restarts", "1"]
-    returncode, output = launch(
-        tmp_path, CPU_1X2, flags, ["--optim_args", "value_bits=3"], TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"
-    )
+    """Restarts asked for over the config's static rendezvous (a store shared across rounds) are refused before
+    training. torch's agent restarts a refused job like any failed one: every round refuses again, silently after
+    the first."""
+    from hf_flexdemo.integrations.checkpoints import checkpoints
+
+    returncode, output = launch(tmp_path, CPU_1X2, ["--max_restarts", "1"])
     assert "/attempt_1/0/error.json" in output, output[-3000:]  # the summary is the second round's
-    assert_refused_once(returncode, output, "value_bits=3 is invalid; value_bits must be one of (0, 1, 2, 4, 8)")
+    assert_refused_once(returncode, output, "--max_restarts=1 cannot restart this job")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in output and "--rdzv_backend c10d" in output  # what to write
+    assert not (tmp_path / "out").exists() or not checkpoints(tmp_path / "out")
 
 
 @pytest.mark.multiprocess
@@ -146,8 +149,9 @@ def test_a_parallelism_config_bigger_than_the_launch_is_refused_before_torch_bui
 def test_multi_cpu_with_two_processes_is_refused_instead_of_training_alone(tmp_path, monkeypatch, use_cpu):
     # Accelerate 1.15 starts MULTI_CPU's processes only through mpirun; without it, one plain process, which
     # refuses when it builds its state, before the process group.
-    import hf_flexdemo  # noqa: F401  (its Accelerate plugin)
     from accelerate import PartialState
+
+    import hf_flexdemo  # noqa: F401  (its Accelerate plugin)
 
     config = f"compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\n{use_cpu}num_machines: 1\n"
     config += "num_processes: 2\nmixed_precision: 'no'\n"
