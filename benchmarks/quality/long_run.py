@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
@@ -242,8 +243,6 @@ class StudyDir:
         return self.rows
 
     def append(self, row: dict) -> None:
-        import fcntl
-
         with (self.path / ".runs.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             self.reload().append(row)
