@@ -52,7 +52,7 @@ class Patch:
         return below and (self.applies_from is None or here >= Version(self.applies_from))
 
 
-ACCELERATE = ("1.10.1", "1.15.0")
+ACCELERATE = ("1.10.1", "1.16.0")
 FIRST_OF_5 = "5.0.0.dev0"
 """transformers' 5.x line from its first pre-release on, which has the optimizer table."""
 TRANSFORMERS = ("4.57.1", "5.24.0")
