@@ -363,7 +363,7 @@ def test_the_long_studys_time_budget_starts_no_run_that_would_not_finish(tmp_pat
     def fake_run(preset, config, lr, seed, work):
         calls.append((config, lr, seed))
         clock[0] += 1000
-        return long_row(config, lr, seed, [5.0, 4.0 - lr], steps=preset.steps, wall_s=1000.0, step_s=9.0)
+        return long_row(config, lr, seed, [5.0, 4.0 + abs(lr - 1.6e-2)], steps=preset.steps, wall_s=1000.0, step_s=9.0)
 
     monkeypatch.setattr(long_run.time, "time", lambda: clock[0])
     preset, corpus = long_run.LongPreset(steps=100), (lambda text: {"sha1": "aa"})
@@ -377,8 +377,10 @@ def test_the_long_studys_time_budget_starts_no_run_that_would_not_finish(tmp_pat
     assert long_run.estimate_s(rows, "adamw_hsdp", longer) == pytest.approx(1800 / long_run.RULE_COST["flexdemo"] + 100)
     args.time_budget = 1e9
     assert long_run.study(args, preset, run=fake_run, fingerprint=corpus)  # resumed: nothing twice
-    assert len(calls) == len(set(calls)) == 3 + 1 + 2  # its bracket, the edge above (best at 8e-3), seeds 1, 2
-    assert calls[3] == ("wire_demo", 1.6e-2, 0) and calls[4:] == [("wire_demo", 1.6e-2, 1), ("wire_demo", 1.6e-2, 2)]
+    # its bracket (best at its top, 8e-3), 1.6e-2 beyond it (best again), 3.2e-2 (worse: the edges stop), seeds 1, 2
+    assert len(calls) == len(set(calls)) == 3 + 2 + 2
+    assert calls[3:5] == [("wire_demo", 1.6e-2, 0), ("wire_demo", 3.2e-2, 0)]
+    assert calls[5:] == [("wire_demo", 1.6e-2, 1), ("wire_demo", 1.6e-2, 2)]
 
 
 def test_the_long_reports_gaps_grow_or_shrink_along_the_run_and_the_time_to_adamws_loss(tmp_path):

@@ -196,8 +196,9 @@ def report(out: Path, wire_bytes_path: Path) -> str:
             "",
             "Time to AdamW-HSDP's final loss, as a share of AdamW-HSDP's run: these curves' tokens, each step modelled "
             "as OLMo2-1B's on 2 nodes of 8 H100s (`time_to_loss.py`: measured compute plus the bytes a node sends "
-            "at the link's rate; the bytes through the real wire on OLMo2-1B's shapes). Measured here: s/step of "
-            "the training steps alone, this machine.",
+            "at the link's rate; the bytes through the real wire on OLMo2-1B's shapes). Measured here: the median "
+            "s/step of the training steps alone in this configuration's runs, on this machine's 2 cores, which "
+            "some runs shared with a second study process: a figure of this machine, not a benchmark.",
             "",
             "| config | 100 Mbit/s | 1 Gbit/s | s/step measured here |",
             "| --- | --- | --- | --- |",

@@ -16,7 +16,7 @@ Replicas are simulated in one process (``simulate_replicas=2``) where the scheme
 and run on 2 nodes x 2 processes where it does not (SparseLoCo's outer steps).
 
 Each configuration's rate is chosen at full length: a bracket around its short-run best (``LongConfig.short_best``) on
-seed 0, one more rate beyond an edge that wins, then the other seeds at the winner. One command per stage::
+seed 0, one more rate beyond the edge while the edge wins (MAX_EDGES at most), then the other seeds at the winner. One command per stage::
 
     # the plan: every run, its steps, tokens, tokens per parameter and estimated hours (no training)
     .venv/bin/python benchmarks/quality/quality_study.py --stage long --dry_run
@@ -140,7 +140,9 @@ LONG_CONFIGS = {
 """``short_best``: benchmarks/results/quality/quality_olmo2 (SparseLoCo: quality_olmo2_issue45)."""
 BASELINES = ("adamw_hsdp", "full")
 BRACKET = (0.5, 1.0, 2.0)
-"""Seed 0's rates: these multiples of the short-run best; a winner at an edge gets one more rate beyond it."""
+"""Seed 0's rates: these multiples of the short-run best; a winner at an edge gets a rate beyond it (MAX_EDGES)."""
+MAX_EDGES = 3
+"""Rates beyond the bracket a configuration may get, one at a time while its best stays at the outermost."""
 SEEDS = {name: (0, 1) for name in LONG_CONFIGS} | {"wire_demo": (0, 1, 2), "adamw_hsdp": (0, 1, 2)}
 PHASES = ("bracket", "edge", "seeds", "third seed")
 RULE_COST = {"adamw_torch": 1.0, "flexdemo": 1.57}
@@ -180,23 +182,30 @@ def bracket(config: str) -> list[float]:
     return [float(f"{LONG_CONFIGS[config].short_best * m:.6g}") for m in BRACKET]
 
 
-def edge_rate(rows: list[dict], config: str) -> float | None:
-    """The one rate beyond the bracket's edge, once the bracket ran: where its best sat at an edge (or every rate
-    diverged: below the lowest)."""
+def edge_rates(rows: list[dict], config: str) -> list[float]:
+    """The rates beyond the bracket, once it ran: while seed 0's best sits at the outermost rate tried (or every
+    rate diverged: below the lowest), one more beyond it, up to MAX_EDGES. The last may not have run yet."""
     rates = bracket(config)
     if not all(done(rows, config, lr, 0) for lr in rates):
-        return None
-    best = winner([r for r in rows if r["lr"] in rates], config)  # the bracket's own: the edge stays put
-    if best is None or best["lr"] == rates[0]:
-        return float(f"{rates[0] / 2:.6g}")
-    return float(f"{rates[-1] * 2:.6g}") if best["lr"] == rates[-1] else None
+        return []
+    edges: list[float] = []
+    while len(edges) < MAX_EDGES and all(done(rows, config, lr, 0) for lr in edges):
+        tried = sorted({*rates, *edges})
+        best = winner([r for r in rows if r["lr"] in tried], config)
+        if best is None or best["lr"] == tried[0]:
+            edges.append(float(f"{tried[0] / 2:.6g}"))
+        elif best["lr"] == tried[-1]:
+            edges.append(float(f"{tried[-1] * 2:.6g}"))
+        else:
+            break
+    return edges
 
 
 def plan(rows: list[dict], configs=tuple(LONG_CONFIGS)) -> list[Planned]:
     """Every run, in order: each bracket on seed 0, the edges, the second seeds at the winners, the third seeds.
     A winner not known yet is None (the dry run's "at the winner"); an edge not known yet is not listed."""
     items = [Planned("bracket", c, lr, 0) for c in configs for lr in bracket(c)]
-    items += [Planned("edge", c, edge_rate(rows, c), 0) for c in configs if edge_rate(rows, c)]
+    items += [Planned("edge", c, lr, 0) for c in configs for lr in edge_rates(rows, c)]
     for phase, index in (("seeds", 1), ("third seed", 2)):
         for c in configs:
             if len(SEEDS[c]) > index:
@@ -207,8 +216,7 @@ def plan(rows: list[dict], configs=tuple(LONG_CONFIGS)) -> list[Planned]:
 
 
 def edge_pending(rows: list[dict], config: str) -> bool:
-    lr = edge_rate(rows, config)
-    return lr is not None and done(rows, config, lr, 0) is None
+    return any(done(rows, config, lr, 0) is None for lr in edge_rates(rows, config))
 
 
 def estimate_s(rows: list[dict], config: str, preset: "LongPreset", seed: int | None = None) -> float:
@@ -440,7 +448,7 @@ def dry_run(args, preset: LongPreset) -> list[str]:
             f"| {preset.steps:,} | {tokens:,} | {tokens / preset.parameters:.1f} | {hours:.2f} | {state} |"
         )
     edges = sum(
-        1 for c in args.configs if edge_rate(rows, c) is None and not all(done(rows, c, lr, 0) for lr in bracket(c))
+        1 for c in args.configs if not edge_rates(rows, c) and not all(done(rows, c, lr, 0) for lr in bracket(c))
     )
     lines.append(
         f"{len(plan_items)} runs, {total:.1f} h in all, {left:.1f} h to run (one run at a time on this machine); "
