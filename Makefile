@@ -17,11 +17,13 @@ LEAN_STAMP := $(LEAN_VENV)/.installed
 NEWEST_VENV ?= .venv-newest
 NEWEST_TORCH_SPEC ?= torch==2.14.1
 NEWEST_STAMP := $(NEWEST_VENV)/.installed
-# pip compiles every module at install time: where PYTHONDONTWRITEBYTECODE=1 (as on this machine), --no-compile would
-# leave every process of every launch compiling torch and transformers again (the suite took 1.8x as long).
-PIP_FLAGS ?= --quiet
+# pip would compile every module of torch and transformers at install time, most of which no test imports; instead
+# the first process to import a module compiles it once. That needs bytecode written, so PYTHONDONTWRITEBYTECODE
+# (set on some machines) is not passed on: with it, every process of every launch compiles again (1.8x the suite).
+PIP_FLAGS ?= --quiet --no-compile
+unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test test-unit test-lowest test-lean test-newest venv docs
+.PHONY: demo test test-unit test-lowest test-lean test-newest venv venvs docs
 
 venv: $(STAMP)
 
@@ -61,8 +63,13 @@ demo: $(STAMP)
 # Every other test starts processes of its own and runs alone.
 UNIT_WORKERS ?= 2
 
-test: test-lowest test-lean test-newest test-unit
+# The four environments install two at a time: unpacking wheels is one core's work each.
+test: venvs
+	$(MAKE) test-lowest test-lean test-newest test-unit
 	$(PYTHON) -m pytest -q --durations=10 -m "not lean and not unit"
+
+venvs:
+	$(MAKE) -j2 $(STAMP) $(LOWEST_STAMP) $(LEAN_STAMP) $(NEWEST_STAMP)
 
 test-unit: $(STAMP)
 	$(PYTHON) -m pytest -q -m unit -n $(UNIT_WORKERS)

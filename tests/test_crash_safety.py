@@ -15,8 +15,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support.accelerate_runs import launch_command
 from support.faults import alive, exited, kill_during_saves, saving_now, small_disk, workers
+from support.t5_run import FLAGS, STEPS, t5_command
 from support.launch import (
     REPO_ROOT,
     child_env,
@@ -32,20 +32,11 @@ from hf_flexdemo.integrations.checkpoints import MARKER, checkpoints, incomplete
 
 pytestmark = pytest.mark.faults
 
-SCRIPT = str(REPO_ROOT / "training_scripts" / "train_t5.py")
-FLAGS = (
-    "--preset offline --max_steps 10 --save_strategy steps --save_steps 1 --logging_steps 1 "
-    "--max_eval_samples 16 --generation_max_length 16 --seed 3"
-).split()
 RESTARTS = ["--max_restarts", "3", "--rdzv_backend", "c10d"]
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 LAYOUT_FREE = "cpu_1x2.yaml"
 """1 node x 2 processes, where the layout does not change what is checked (refusals before training, orphaned
 workers): half the start-up cost of 2 x 2, and still a multi-process job."""
-
-
-def t5_command(output_dir: Path, *flags: str, launch: tuple[str, ...] = (), config: str = "cpu_2x2.yaml") -> list[str]:
-    return launch_command(*launch, SCRIPT, "--output_dir", str(output_dir), *FLAGS, *flags, config=config)
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -55,10 +46,8 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("uninterrupted")
-    run_checked(t5_command(out), timeout=600)
-    return out
+def uninterrupted(t5_reference) -> Path:
+    return t5_reference.output_dir
 
 
 def same_run_bitwise(run_dir: Path, uninterrupted: Path) -> None:
@@ -70,7 +59,7 @@ def same_run_bitwise(run_dir: Path, uninterrupted: Path) -> None:
 
 def test_every_checkpoint_is_marked_complete_and_loadable(uninterrupted):
     found = checkpoints(uninterrupted)
-    assert [step for step, _ in found] == list(range(1, 11))
+    assert [step for step, _ in found] == list(range(1, STEPS + 1))
     for _, folder in found:
         assert incomplete_reason(folder) is None
         # The tokenizer and config travel with every checkpoint (a sharded save has no weights file).

@@ -17,10 +17,11 @@ import pytest
 from support.accelerate_runs import launch_command
 from support.fake_hub import FakeHub
 from support.launch import REPO_ROOT, child_env, run_checked
+from support.t5_run import STEPS as T5_STEPS
+from support.t5_run import TOKEN, push_flags
 
 pytestmark = pytest.mark.scripts
 
-TOKEN = "hf_flexdemo_test_secret_token"
 SCRIPTS = REPO_ROOT / "training_scripts"
 STEPS = "--max_steps 8 --save_strategy steps --save_steps 4 --logging_steps 1 --warmup_steps 0".split()
 
@@ -31,34 +32,16 @@ def script_command(script: str, output_dir: Path, *flags: str, config: str = "cp
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, t5_reference):
+    """T5 is the shared reference run (tests/support/t5_run.py: pushed, logged to wandb, 10 steps saved each step)."""
     root = tmp_path_factory.mktemp("scripts")
-    out = {}
+    out = {"t5": t5_reference.process, "t5_files": t5_reference.hub_files, "t5_commits": t5_reference.hub_commits}
+    out["dirs"] = {"t5": t5_reference.output_dir, "wandb": t5_reference.wandb_dir}
     with FakeHub(token=TOKEN) as hub:
-        env = hub.env(child_env(WANDB_DIR=str(root / "wandb"), HF_HOME=str(root / "hf_home")), with_token=False)
-        push = ["--push_to_hub", "--hub_token", TOKEN, "--hub_strategy", "every_save"]
-        out["t5"] = run_checked(
-            script_command(
-                "train_t5.py",
-                root / "t5",
-                "--max_eval_samples",
-                "16",
-                "--generation_max_length",
-                "16",
-                "--report_to",
-                "wandb",
-                *push,
-                "--hub_model_id",
-                "test-user/t5-flexdemo",
-            ),
-            timeout=900,
-            env=env,
-        )
-        out["t5_files"] = hub.files("test-user/t5-flexdemo")
-        out["t5_commits"] = hub.commits("test-user/t5-flexdemo")
+        env = hub.env(child_env(HF_HOME=str(root / "hf_home")), with_token=False)
         hub.refuse_uploads, hub.refuse_message = 403, "You have no write access to test-user/vit-flexdemo"
         hub.refuse_endpoints = {"commit"}
-        vit = script_command("train_vit.py", root / "vit", *push, "--hub_model_id", "test-user/vit-flexdemo")
+        vit = script_command("train_vit.py", root / "vit", *push_flags("test-user/vit-flexdemo"))
         # Expected to fail at the refused push: its exit status is one of the assertions.
         out["vit"] = subprocess.run(vit, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
         out["vit_files"] = hub.files("test-user/vit-flexdemo")
@@ -69,21 +52,25 @@ def runs(tmp_path_factory):
     tune = ["--model_name_or_path", str(root / "olmo2"), "--no_from_config", "--offline_text", "docstrings"]
     tuning = script_command("train_olmo2.py", root / "olmo2_ft", *tune, config="cpu_1x2.yaml")
     out["olmo2_ft"] = run_checked(tuning, timeout=900, env=env)
+    out["dirs"].update({name: root / name for name in ("vit", "olmo2", "olmo2_ft")})
     out["root"] = root
     return out
 
 
-def logged_losses(output_dir: Path) -> list[float]:
-    state = json.loads(next(output_dir.glob("checkpoint-8/trainer_state.json")).read_text())
+STEPS_OF = {"t5": T5_STEPS, "vit": 8, "olmo2": 8, "olmo2_ft": 8}
+
+
+def logged_losses(output_dir: Path, steps: int = 8) -> list[float]:
+    state = json.loads(next(output_dir.glob(f"checkpoint-{steps}/trainer_state.json")).read_text())
     return [h["loss"] for h in state["log_history"] if "loss" in h]
 
 
 @pytest.mark.parametrize("name", ["t5", "vit", "olmo2", "olmo2_ft"])
 def test_loss_goes_down_and_a_checkpoint_is_written(runs, name):
-    output_dir = runs["root"] / name
-    losses = logged_losses(output_dir)
-    assert len(losses) == 8 and sum(losses[-2:]) < sum(losses[:2]), losses
-    for step in (4, 8):
+    output_dir, steps = runs["dirs"][name], STEPS_OF[name]
+    losses = logged_losses(output_dir, steps)
+    assert len(losses) == steps and sum(losses[-2:]) < sum(losses[:2]), losses
+    for step in (steps // 2, steps):
         checkpoint = output_dir / f"checkpoint-{step}"
         assert (checkpoint / "trainer_state.json").exists()
         assert any((checkpoint / "optimizer_0").iterdir()) and any((checkpoint / "pytorch_model_fsdp_0").iterdir())
@@ -98,35 +85,35 @@ def test_loss_goes_down_and_a_checkpoint_is_written(runs, name):
     ],
 )
 def test_metrics_are_computed(runs, name, metrics):
-    results = json.loads((runs["root"] / name / "eval_results.json").read_text())
+    results = json.loads((runs["dirs"][name] / "eval_results.json").read_text())
     for key in metrics:
         assert isinstance(results[key], float), results
-    assert (runs["root"] / name / "model.safetensors").stat().st_size > 10_000  # full weights, gathered
+    assert (runs["dirs"][name] / "model.safetensors").stat().st_size > 10_000  # full weights, gathered
 
 
 @pytest.mark.parametrize("name,metric", [("t5", "eval_chrf"), ("vit", "eval_accuracy"), ("olmo2", "eval_perplexity")])
 def test_model_card_has_the_figures(runs, name, metric):
-    card = (runs["root"] / name / "README.md").read_text()
+    card = (runs["dirs"][name] / "README.md").read_text()
     assert "FlexDeMo(scheme='demo', topk=32, chunk=64" in card
     assert "2 nodes x 2 processes" in card
-    sent = re.search(r"over 8 steps: \*\*([\d.]+ [KMG]?B)\*\* sent, against\s+\*\*([\d.]+ [KMG]?B)\*\*", card)
+    sent = re.search(rf"over {STEPS_OF[name]} steps: \*\*([\d.]+ [KMG]?B)\*\* sent, against\s+\*\*([\d.]+ [KMG]?B)\*\*", card)
     assert sent, card
     assert f"| {metric} |" in card and "tags:" in card and "- flexdemo" in card
 
 
 def test_push_sends_checkpoints_and_the_card_intact(runs):
-    files, local = runs["t5_files"], runs["root"] / "t5"
+    files, local = runs["t5_files"], runs["dirs"]["t5"]
     for name in ("model.safetensors", "config.json", "README.md", "tokenizer.json", "tokenizer_config.json"):
         assert files[name] == (local / name).read_bytes(), name
     titles = [c.title for c in runs["t5_commits"]]
-    assert "Training in progress, step 4" in titles and titles[-1] == "End of training"
+    # A save while the last push is still uploading is not pushed (the Trainer skips it): at least the first is.
+    assert titles[0] == "Training in progress, step 1" and titles[-1] == "End of training", titles
     # Every pushed checkpoint is a model that loads: gathered weights, config and tokenizer.
-    step4 = next(c for c in runs["t5_commits"] if c.title == "Training in progress, step 4")
-    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(step4.added), step4.added
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(runs["t5_commits"][0].added)
 
 
 def test_refused_push_gives_a_clear_error_and_keeps_local_files_whole(runs):
-    proc, local = runs["vit"], runs["root"] / "vit"
+    proc, local = runs["vit"], runs["dirs"]["vit"]
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert "The Hub at" in output and "403" in output and "no write access" in output
@@ -140,17 +127,17 @@ def test_refused_push_gives_a_clear_error_and_keeps_local_files_whole(runs):
 
 def test_wandb_offline_run_records_the_flexdemo_figures(runs):
     # wandb 0.31 has no Python reader for its run file; its history records hold the keys as text.
-    records = list((runs["root"] / "wandb").glob("wandb/offline-run-*/run-*.wandb"))
-    assert len(records) == 1, list((runs["root"] / "wandb").rglob("*"))[:20]
+    records = list(runs["dirs"]["wandb"].glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(records) == 1, list(runs["dirs"]["wandb"].rglob("*"))[:20]
     data = records[0].read_bytes()
     for key in ("train/loss", "flexdemo/bytes_sent", "flexdemo/dense_bytes", "flexdemo/x_fewer_than_bf16_dense"):
-        assert data.count(key.encode()) >= 8, key  # one history row per logging step
+        assert data.count(key.encode()) >= T5_STEPS, key  # one history row per logging step
 
 
 def test_the_token_never_appears_in_output_or_files(runs):
     for name in ("t5", "vit", "olmo2"):
         assert TOKEN not in runs[name].stdout + runs[name].stderr, name
-    for path in runs["root"].rglob("*"):
+    for path in (*runs["root"].rglob("*"), *runs["dirs"]["t5"].parent.rglob("*")):
         if path.is_file():
             assert TOKEN.encode() not in path.read_bytes(), path
     for content in runs["t5_files"].values():
@@ -158,7 +145,7 @@ def test_the_token_never_appears_in_output_or_files(runs):
 
 
 def test_fine_tuning_starts_from_the_saved_model_and_its_tokenizer(runs):
-    base, tuned = runs["root"] / "olmo2", runs["root"] / "olmo2_ft"
+    base, tuned = runs["dirs"]["olmo2"], runs["dirs"]["olmo2_ft"]
     assert (tuned / "tokenizer.json").read_text() == (base / "tokenizer.json").read_text()
     # From the trained weights, not a fresh model: the first loss is below the base run's first loss.
     assert logged_losses(tuned)[0] < logged_losses(base)[0] - 0.3, (logged_losses(base), logged_losses(tuned))
