@@ -66,7 +66,7 @@ UNIT_WORKERS ?= 2
 # The four environments install two at a time: unpacking wheels is one core's work each.
 test: venvs
 	$(MAKE) test-lowest test-lean test-newest test-unit
-	$(PYTHON) -m pytest -q --durations=10 -m "not lean and not unit"
+	$(PYTHON) -m pytest -q --durations=30 -m "not lean and not unit"
 
 venvs:
 	$(MAKE) -j2 $(STAMP) $(LOWEST_STAMP) $(LEAN_STAMP) $(NEWEST_STAMP)
