@@ -22,6 +22,9 @@ NEWEST_STAMP := $(NEWEST_VENV)/.installed
 # (set on some machines) is not passed on: with it, every process of every launch compiles again (1.8x the suite).
 PIP_FLAGS ?= --quiet --no-compile
 unexport PYTHONDONTWRITEBYTECODE
+# What every launch imports, compiled once when its environment is built: a later shell that sets
+# PYTHONDONTWRITEBYTECODE then still starts from bytecode.
+WARM_IMPORTS := import accelerate.commands.launch, hf_flexdemo.integrations.trainer; from transformers import Trainer
 
 .PHONY: demo test test-unit test-lowest test-lean test-newest venv venvs docs
 
@@ -31,12 +34,14 @@ $(STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install $(PIP_FLAGS) -e ".[test,bench]"
+	$(PYTHON) -c "$(WARM_IMPORTS)"
 	touch $(STAMP)
 
 $(LOWEST_STAMP): setup.cfg pyproject.toml constraints/lowest.txt
 	python3 -m venv $(LOWEST_VENV)
 	$(LOWEST_VENV)/bin/python -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"
 	$(LOWEST_VENV)/bin/python -m pip install $(PIP_FLAGS) -e ".[test]" -c constraints/lowest.txt
+	$(LOWEST_VENV)/bin/python -c "$(WARM_IMPORTS)"
 	touch $(LOWEST_STAMP)
 
 # The package alone (`pip install -e .`: torch, transformers, accelerate), as a user of the optimizer installs it.
@@ -44,6 +49,7 @@ $(LEAN_STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(LEAN_VENV)
 	$(LEAN_VENV)/bin/python -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"
 	$(LEAN_VENV)/bin/python -m pip install $(PIP_FLAGS) -e . "pytest>=8"
+	$(LEAN_VENV)/bin/python -c "$(WARM_IMPORTS)"
 	touch $(LEAN_STAMP)
 
 # The newest torch (2.14.1: its CUDA build from this machine's files, which runs on CPU, with its own Triton), then
@@ -52,6 +58,7 @@ $(NEWEST_STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(NEWEST_VENV)
 	$(NEWEST_VENV)/bin/python -m pip install $(PIP_FLAGS) "$(NEWEST_TORCH_SPEC)"
 	$(NEWEST_VENV)/bin/python -m pip install $(PIP_FLAGS) -e ".[test,bench]" "$(NEWEST_TORCH_SPEC)"
+	$(NEWEST_VENV)/bin/python -c "$(WARM_IMPORTS)"
 	touch $(NEWEST_STAMP)
 
 # T5 translation, offline preset, 2 simulated nodes x 2 processes on this machine's CPU.
