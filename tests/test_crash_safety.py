@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from support.faults import alive, exited, kill_during_saves, saving_now, small_disk, workers
-from support.t5_run import FLAGS, STEPS, t5_command
 from support.launch import (
     REPO_ROOT,
     child_env,
@@ -27,8 +26,9 @@ from support.launch import (
     stopped_at_exit,
     wait_for,
 )
+from support.t5_run import FLAGS, STEPS, t5_command
 
-from hf_flexdemo.integrations.checkpoints import MARKER, checkpoints, incomplete_reason
+from hf_flexdemo.integrations.checkpoints import checkpoints, incomplete_reason
 
 pytestmark = pytest.mark.faults
 

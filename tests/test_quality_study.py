@@ -438,7 +438,8 @@ def test_the_long_reports_gaps_grow_or_shrink_along_the_run_and_the_time_to_adam
     row = "| wire_demo | 0.004 (3.8000), 0.008 (diverged) | 0.004, at the edge | 0.004 | 2 | 3.8500 +- 0.0500 |"
     assert row in text
     assert (
-        f"| wire_demo | - | {5.6 / 6.1 - 1:+.2%} |" in text and "--report benchmarks/results/quality/olmo2_long\n" in text
+        f"| wire_demo | - | {5.6 / 6.1 - 1:+.2%} |" in text
+        and "--report benchmarks/results/quality/olmo2_long\n" in text
     )
     assert (tmp_path / "README.md").read_text() == text
     assert sorted(p.name for p in tmp_path.glob("*.png")) == [

@@ -96,7 +96,9 @@ def test_model_card_has_the_figures(runs, name, metric):
     card = (runs["dirs"][name] / "README.md").read_text()
     assert "FlexDeMo(scheme='demo', topk=32, chunk=64" in card
     assert "2 nodes x 2 processes" in card
-    sent = re.search(rf"over {STEPS_OF[name]} steps: \*\*([\d.]+ [KMG]?B)\*\* sent, against\s+\*\*([\d.]+ [KMG]?B)\*\*", card)
+    sent = re.search(
+        rf"over {STEPS_OF[name]} steps: \*\*([\d.]+ [KMG]?B)\*\* sent, against\s+\*\*([\d.]+ [KMG]?B)\*\*", card
+    )
     assert sent, card
     assert f"| {metric} |" in card and "tags:" in card and "- flexdemo" in card
 

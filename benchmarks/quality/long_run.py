@@ -16,7 +16,8 @@ Replicas are simulated in one process (``simulate_replicas=2``) where the scheme
 and run on 2 nodes x 2 processes where it does not (SparseLoCo's outer steps).
 
 Each configuration's rate is chosen at full length: a bracket around its short-run best (``LongConfig.short_best``) on
-seed 0, one more rate beyond the edge while the edge wins (MAX_EDGES at most), then the other seeds at the winner. One command per stage::
+seed 0, one more rate beyond the edge while the edge wins (MAX_EDGES at most), then the other seeds at the
+winner. One command per stage::
 
     # the plan: every run, its steps, tokens, tokens per parameter and estimated hours (no training)
     .venv/bin/python benchmarks/quality/quality_study.py --stage long --dry_run
@@ -483,7 +484,9 @@ def main(args) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long_configs", nargs="+", choices=list(LONG_CONFIGS), help="--stage long: a subset")
     parser.add_argument(
-        "--long_preset", choices=list(LONG_PRESETS), help=f"--stage long: the model and schedule (default {DEFAULT_PRESET})"
+        "--long_preset",
+        choices=list(LONG_PRESETS),
+        help=f"--stage long: the model and schedule (default {DEFAULT_PRESET})",
     )
 
 
