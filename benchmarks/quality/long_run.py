@@ -453,7 +453,8 @@ def dry_run(args, preset: LongPreset) -> list[str]:
     )
     lines.append(
         f"{len(plan_items)} runs, {total:.1f} h in all, {left:.1f} h to run (one run at a time on this machine); "
-        f"up to {edges} more where a bracket's best sits at its edge (one rate beyond it each, about "
+        f"up to {edges} more where a bracket's best sits at its edge (a rate beyond it at a time, up to "
+        f"{MAX_EDGES} each, about "
         f"{estimate_s(rows, 'wire_demo', preset) / 3600:.2f} h apiece)"
     )  # fmt: skip
     print("\n".join(lines))

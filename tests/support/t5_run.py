@@ -7,7 +7,7 @@ logging to wandb do not change what trains, so the interrupted runs leave both o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from subprocess import CompletedProcess
 
@@ -40,8 +40,8 @@ class ReferenceRun:
     output_dir: Path
     wandb_dir: Path
     process: CompletedProcess
-    hub_files: dict[str, bytes] = field(default_factory=dict)
-    hub_commits: list[CommitRecord] = field(default_factory=list)
+    hub_files: dict[str, bytes]
+    hub_commits: list[CommitRecord]
 
 
 def reference_run(root: Path) -> ReferenceRun:
