@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
-# Each creates the virtual environment on first use. TORCH_SPEC pins the CPU wheel this
+# Each creates the virtual environment on first use, with the exact versions of constraints/locked.txt (`make lock`
+# moves them to the newest releases). TORCH_SPEC pins the CPU wheel this
 # machine has on disk; on a GPU machine use your own torch (`pip install -e .`).
 # `make test` also builds .venv-lowest with the lowest supported transformers/accelerate
 # (constraints/lowest.txt) and runs the `lowest` subset there, .venv-lean with the package alone (no extras) for
@@ -17,6 +18,9 @@ LEAN_STAMP := $(LEAN_VENV)/.installed
 NEWEST_VENV ?= .venv-newest
 NEWEST_TORCH_SPEC ?= torch==2.14.1
 NEWEST_STAMP := $(NEWEST_VENV)/.installed
+LOCK := constraints/locked.txt
+# A locked install that fails says which pin the registry no longer serves, and stops.
+EXPLAIN_LOCK = { python3 tools/lock.py explain --venv $(1); exit 1; }
 # pip would compile every module of torch and transformers at install time, most of which no test imports; instead
 # the first process to import a module compiles it once. That needs bytecode written, so PYTHONDONTWRITEBYTECODE
 # (set on some machines) is not passed on: with it, every process of every launch compiles again (1.8x the suite).
@@ -26,14 +30,14 @@ unexport PYTHONDONTWRITEBYTECODE
 # PYTHONDONTWRITEBYTECODE then still starts from bytecode.
 WARM_IMPORTS := import accelerate.commands.launch, hf_flexdemo.integrations.trainer; from transformers import Trainer
 
-.PHONY: demo test test-unit test-lowest test-lean test-newest venv venvs docs
+.PHONY: demo test test-unit test-lowest test-lean test-newest venv venvs docs lock
 
 venv: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml $(LOCK)
 	python3 -m venv $(VENV)
-	$(PYTHON) -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install $(PIP_FLAGS) -e ".[test,bench]"
+	$(PYTHON) -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)" -c $(LOCK) || $(call EXPLAIN_LOCK,$(VENV))
+	$(PYTHON) -m pip install $(PIP_FLAGS) -e ".[test,bench]" -c $(LOCK) || $(call EXPLAIN_LOCK,$(VENV))
 	$(PYTHON) -c "$(WARM_IMPORTS)"
 	touch $(STAMP)
 
@@ -45,15 +49,15 @@ $(LOWEST_STAMP): setup.cfg pyproject.toml constraints/lowest.txt
 	touch $(LOWEST_STAMP)
 
 # The package alone (`pip install -e .`: torch, transformers, accelerate), as a user of the optimizer installs it.
-$(LEAN_STAMP): setup.cfg pyproject.toml
+$(LEAN_STAMP): setup.cfg pyproject.toml $(LOCK)
 	python3 -m venv $(LEAN_VENV)
-	$(LEAN_VENV)/bin/python -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"
-	$(LEAN_VENV)/bin/python -m pip install $(PIP_FLAGS) -e . "pytest>=8"
+	$(LEAN_VENV)/bin/python -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)" -c $(LOCK) || $(call EXPLAIN_LOCK,$(LEAN_VENV))
+	$(LEAN_VENV)/bin/python -m pip install $(PIP_FLAGS) -e . "pytest>=8" -c $(LOCK) || $(call EXPLAIN_LOCK,$(LEAN_VENV))
 	$(LEAN_VENV)/bin/python -c "$(WARM_IMPORTS)"
 	touch $(LEAN_STAMP)
 
-# The newest torch (2.14.1: its CUDA build from this machine's files, which runs on CPU, with its own Triton), then
-# the extras with torch named again, so that pip keeps it instead of replacing it.
+# The newest releases on purpose, ignoring the lock: the newest torch (2.14.1: its CUDA build from this machine's
+# files, which runs on CPU, with its own Triton), then the extras with torch named again, so that pip keeps it.
 $(NEWEST_STAMP): setup.cfg pyproject.toml
 	python3 -m venv $(NEWEST_VENV)
 	$(NEWEST_VENV)/bin/python -m pip install $(PIP_FLAGS) "$(NEWEST_TORCH_SPEC)"
@@ -74,6 +78,11 @@ UNIT_WORKERS ?= 2
 test: venvs
 	$(MAKE) test-lowest test-lean test-newest test-unit
 	$(PYTHON) -m pytest -q --durations=30 -m "not lean and not unit"
+	$(PYTHON) tools/lock.py newer --venv $(NEWEST_VENV)
+
+# The lock moved to the newest releases (a fresh venv, a few minutes), and docs/getting-started.md's table with it.
+lock:
+	python3 tools/lock.py refresh
 
 venvs:
 	$(MAKE) -j2 $(STAMP) $(LOWEST_STAMP) $(LEAN_STAMP) $(NEWEST_STAMP)

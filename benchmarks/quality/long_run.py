@@ -96,6 +96,8 @@ class LongPreset:
 
 LONG_PRESETS = {
     "olmo2_long_263k": LongPreset(name="olmo2_long_263k", hidden_size=64, vocab_size=1024, steps=1300),
+    # width 128: every weight matrix spans several 64 x 64 tiles (attention 4, MLP 16), as a large model's do
+    "olmo2_w128_525k": LongPreset(name="olmo2_w128_525k", hidden_size=128, num_layers=1, vocab_size=1024, steps=1300),
     "olmo2_long": LongPreset(),
 }
 DEFAULT_PRESET = "olmo2_long_263k"
@@ -128,6 +130,21 @@ LONG_CONFIGS = {
         8e-3,
         ("top128_4bit", 1),
     ),
+    "wire_top128_4bit_d095": LongConfig(
+        "flexdemo",
+        f"topk=128,value_bits=4,pack_indices=true,index_coding=elias_fano,decay=0.95,{ORTHO}",
+        SIMULATED,
+        8e-3,
+        ("top128_4bit", 1),
+    ),
+    # about 100x: the sign of 64 coefficients a tile and the tile's mean magnitude
+    "wire_top64_1bit": LongConfig(
+        "flexdemo",
+        f"topk=64,value_bits=1,pack_indices=true,index_coding=elias_fano,{ORTHO}",
+        SIMULATED,
+        8e-3,
+        ("top64_1bit", 1),
+    ),
     "wire_2bit": LongConfig("flexdemo", f"wire=2bit,{ORTHO}", SIMULATED, 8e-3, ("2bit", 1)),
     # about 1,000x: wire=2bit's coefficients every 4 steps, Muon's step inside; replicas apart between outer steps
     "sparseloco_h4_2bit": LongConfig(
@@ -144,12 +161,24 @@ BRACKET = (0.5, 1.0, 2.0)
 """Seed 0's rates: these multiples of the short-run best; a winner at an edge gets a rate beyond it (MAX_EDGES)."""
 MAX_EDGES = 3
 """Rates beyond the bracket a configuration may get, one at a time while its best stays at the outermost."""
-SEEDS = {name: (0, 1) for name in LONG_CONFIGS} | {"wire_demo": (0, 1, 2), "adamw_hsdp": (0, 1, 2)}
+SEEDS = {name: (0, 1) for name in LONG_CONFIGS} | {
+    name: (0, 1, 2)
+    for name in ("adamw_hsdp", "full", "wire_demo", "wire_top128_4bit", "wire_top128_4bit_d095", "wire_top64_1bit")
+}
+"""Every finalist runs 3 paired seeds: a seed fixes the held-out split, so configurations are compared per seed."""
+CENTRES = {
+    "olmo2_w128_525k": {"adamw_hsdp": 4e-3, "full": 8e-3, "wire_demo": 1.6e-2, "wire_top128_4bit": 8e-3,
+                        "wire_top128_4bit_d095": 8e-3, "wire_top64_1bit": 8e-3},
+}  # fmt: skip
+"""A preset's bracket centres where they are not ``short_best``: the rates that won at full length on
+``olmo2_long_263k`` (its README), so that a second model shape starts where the first one ended."""
 PHASES = ("bracket", "edge", "seeds", "third seed")
 RULE_COST = {"adamw_torch": 1.0, "flexdemo": 1.57}
 """A step's cost against AdamW's (medians of the 250-step study at 1.6M): scales a measured run to another rule."""
 PILOTS = {
     "olmo2_long_263k": {"steps": 60, "train_s": 20.9, "step_s": 0.131, "setup_s": 9.0, "optim": "adamw_torch"},
+    # not a pilot: the 263K pilot scaled by the parameters (2x), until the preset's first run finishes
+    "olmo2_w128_525k": {"steps": 60, "train_s": 41.8, "step_s": 0.262, "setup_s": 9.0, "optim": "adamw_torch"},
     "olmo2_long": {"steps": 60, "train_s": 54.7, "step_s": 0.470, "setup_s": 40.0, "optim": "flexdemo"},
 }
 """Before any run of a study has finished, the estimate: each preset's pilot (60 steps, 20 evaluations; 2026-12-02
@@ -179,8 +208,13 @@ def winner(rows: list[dict], config: str) -> dict | None:
     return min(ran, key=lambda r: r["final_eval_loss"]) if ran else None
 
 
+CURRENT_PRESET = DEFAULT_PRESET
+"""The preset whose centres :func:`bracket` uses; :func:`main` sets it from ``--long_preset``."""
+
+
 def bracket(config: str) -> list[float]:
-    return [float(f"{LONG_CONFIGS[config].short_best * m:.6g}") for m in BRACKET]
+    centre = CENTRES.get(CURRENT_PRESET, {}).get(config, LONG_CONFIGS[config].short_best)
+    return [float(f"{centre * m:.6g}") for m in BRACKET]
 
 
 def edge_rates(rows: list[dict], config: str) -> list[float]:
@@ -467,7 +501,9 @@ def dry_run(args, preset: LongPreset) -> list[str]:
 def main(args) -> None:
     """``--stage long``: ``args.out`` (None: the study directory), ``steps`` (None: the preset's), ``long_configs``,
     ``dry_run``, ``report`` (a study directory), ``time_budget``."""
-    chosen = LONG_PRESETS[args.long_preset or DEFAULT_PRESET]
+    global CURRENT_PRESET
+    CURRENT_PRESET = args.long_preset or DEFAULT_PRESET
+    chosen = LONG_PRESETS[CURRENT_PRESET]
     preset = dataclasses.replace(chosen, steps=args.steps or chosen.steps)
     args.out = args.out or RESULTS / preset.name
     args.configs = tuple(c for c in LONG_CONFIGS if c in (args.long_configs or LONG_CONFIGS))
