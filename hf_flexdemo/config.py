@@ -64,6 +64,7 @@ def _packed(topk: int, value_bits: int) -> dict[str, Any]:
 
 WIRE_PRESETS: dict[str, dict[str, Any]] = {
     "demo": {"topk": 32, "value_bits": 0, "pack_indices": False, "index_coding": "fixed"},
+    "top128_4bit": _packed(128, 4),
     "top96_2bit": _packed(96, 2),
     "2bit": _packed(32, 2),
     "top24_2bit": _packed(24, 2),
@@ -73,6 +74,16 @@ WIRE_PRESETS: dict[str, dict[str, Any]] = {
 Their bytes and loss: docs/update-rules.md, "Choosing a wire format"."""
 WIRE_KNOBS = "topk, value_bits, pack_indices and index_coding"
 """What every preset sets."""
+DEFAULT_WIRE = "top128_4bit"
+"""The wire of scheme='demo' when neither ``wire`` nor any of its knobs is given: the long runs' winner
+(BENCHMARKS.md, "Which wire is the default?"). Before it, the default was ``demo``."""
+OLD_DEFAULT_WIRE = "demo"
+"""What a run that named no wire trained with before :data:`DEFAULT_WIRE`: its checkpoints resume with it."""
+WIRE_CHOICES = ("topk", "value_bits", "pack_indices", "index_coding", "value_dtype")
+"""Settings that say how values travel: any one given, the wire is as given and :data:`DEFAULT_WIRE` does not apply
+(``value_dtype``: values sent as numbers, which the default wire's codes are not)."""
+KNOBS_NOT_GIVEN = {"value_bits": 0, "pack_indices": False, "index_coding": "fixed"}
+"""What the knobs (``topk`` aside: :data:`NOT_GIVEN_DEFAULTS`) take where some are given and no preset applies."""
 
 
 def preset_knobs(name: str) -> str:
@@ -256,7 +267,7 @@ class WireSettings:
         default=None,
         metadata={
             "help": f"demo: a measured wire format by name, one of {list(WIRE_PRESETS)}; it sets {WIRE_KNOBS} (a knob "
-            "also given must agree). Unset: the knobs as given."
+            f"also given must agree). Unset: {DEFAULT_WIRE!r} where no knob (nor value_dtype) is given."
         },
     )
     value_dtype: str | None = field(
@@ -266,29 +277,31 @@ class WireSettings:
             "the default), 'bf16', 'fp16' or 'fp32'."
         },
     )
-    value_bits: int = field(
-        default=0,
+    value_bits: int | None = field(
+        default=None,
         metadata={
             "help": "demo, sparseloco: 0 sends values in value_dtype; 1 their signs and each tile's mean magnitude; "
             "2, 4 or 8 an integer code per value and one float32 scale per tile. The rounding error stays in the "
-            "momentum."
+            "momentum. Unset: the default wire's, else 0."
         },
     )
     rounding: str = field(
         default="nearest",
         metadata={"help": "value_bits 2, 4, 8: 'nearest' or 'stochastic' (unbiased) rounding."},
     )
-    pack_indices: bool = field(
-        default=False,
+    pack_indices: bool | None = field(
+        default=None,
         metadata={
-            "help": "demo, sparseloco: send each index in the bits a tile position needs (12 for 64x64), not 16."
+            "help": "demo, sparseloco: send each index in the bits a tile position needs (12 for 64x64), not 16. "
+            "Unset: the default wire's, else False."
         },
     )
-    index_coding: str = field(
-        default="fixed",
+    index_coding: str | None = field(
+        default=None,
         metadata={
             "help": "demo, sparseloco, with pack_indices=True: 'fixed' gives every index the same bits; "
-            "'elias_fano' codes each tile's ascending indices in at most 2 + log2(tile / topk) bits each."
+            "'elias_fano' codes each tile's ascending indices in at most 2 + log2(tile / topk) bits each. Unset: "
+            "the default wire's, else 'fixed'."
         },
     )
 
@@ -503,10 +516,19 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
             )
 
     def _apply_wire_preset(self) -> None:
-        """``wire=NAME`` sets its knobs; one also given with another value than the preset's is refused (a knob at
-        its default counts as not given)."""
-        if self.wire is None:
-            return
+        """``wire=NAME`` sets its knobs; one also given with another value than the preset's is refused. With no
+        ``wire`` and no knob given, scheme='demo' takes :data:`DEFAULT_WIRE`; knobs still unset take
+        :data:`KNOBS_NOT_GIVEN`."""
+        knobs_given = any(getattr(self, key) is not None for key in WIRE_CHOICES)
+        if self.wire is None and self.traits.dct and not knobs_given and not self.shared_indices:
+            self.wire = DEFAULT_WIRE
+        if self.wire is not None:
+            self._set_preset_knobs()
+        for key, value in KNOBS_NOT_GIVEN.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+
+    def _set_preset_knobs(self) -> None:
         check_choice("wire", self.wire, tuple(WIRE_PRESETS))
         if not self.traits.dct:
             raise ValueError(

@@ -49,11 +49,6 @@ REMOVED_SETTINGS: dict[str, tuple[str, str]] = {
 
 REMOVED_VALUES: dict[tuple[str, str], tuple[str, str]] = {
     ("scheme", "lowrank"): REMOVED_SETTINGS["factor_rank"],
-    ("wire", "top128_4bit"): (
-        "it beat the default on the study's presets but ended worse on a held-out task, 3 of 3 seeds (eval loss "
-        "0.150 against the default's 0.109)",
-        "drop wire (the default, demo) or pick wire=top96_2bit",
-    ),
     ("wire", "top144_c128_2bit"): (
         "it matched wire=2bit inside the seeds' spread at 1.03x its bytes",
         "write wire=2bit, or spell its knobs out: topk=144,chunk=128,scale_topk=true,value_bits=2,"

@@ -100,7 +100,6 @@ BAD = [
     (dict(decode="selected"), "decode was removed", "17d8727"),
     (dict(scheme="lowrank"), "scheme=lowrank was removed", "17d8727"),
     (dict(wire="top144_c128_2bit"), "wire=top144_c128_2bit was removed", "wire=2bit"),
-    (dict(wire="top128_4bit"), "wire=top128_4bit was removed", "held-out task"),
     (dict(wire="top16_2bit"), "wire=top16_2bit was removed", "wire=top24_2bit"),
 ]
 
@@ -285,8 +284,8 @@ def test_a_wire_preset_sets_its_knobs_and_refuses_a_knob_that_disagrees():
     # So in FlexDeMo(...)'s keywords: written beside the preset, a default value was meant, not to be replaced.
     with pytest.raises(ValueError, match=r"FlexDeMo: wire='top24_2bit' sets topk=24, but topk=32 is given too"):
         FlexDeMo([torch.nn.Parameter(torch.zeros(4))], wire="top24_2bit", topk=32)
-    assert list(WIRE_PRESETS) == ["demo", "top96_2bit", "2bit", "top24_2bit", "top4_1bit"]
-    allowed = r"wire must be one of \('demo', 'top96_2bit', '2bit', 'top24_2bit', 'top4_1bit'\)"
+    assert list(WIRE_PRESETS) == ["demo", "top128_4bit", "top96_2bit", "2bit", "top24_2bit", "top4_1bit"]
+    allowed = r"wire must be one of \('demo', 'top128_4bit', 'top96_2bit', '2bit', 'top24_2bit', 'top4_1bit'\)"
     with pytest.raises(ValueError, match=r"wire='fast' is invalid; " + allowed):
         FlexDeMoConfig(wire="fast")
     with pytest.raises(ValueError, match=r"wire='2bit' names a format of scheme='demo', not scheme='diloco'"):

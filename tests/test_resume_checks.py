@@ -18,10 +18,13 @@ from support.tiny_hf import dataset, tiny_model, tokenizer
 from transformers import Trainer, TrainingArguments
 
 import hf_flexdemo  # noqa: F401  (the Trainer glue)
+from hf_flexdemo.config import DEFAULT_WIRE, OLD_DEFAULT_WIRE
+from hf_flexdemo.optim import unwrap_flexdemo
 from hf_flexdemo.integrations.resume import (
     MODEL_FOLDER,
     check_checkpoint_model,
     check_saved_settings,
+    saved_optim_args,
     stop_if_complete,
 )
 
@@ -116,7 +119,6 @@ def saved_args(folder, optim_args: str, optim: str = "flexdemo"):
     [
         ("topk=32,topk_block=2", "topk_block was removed"),
         ("scheme=lowrank,factor_rank=2", "scheme=lowrank was removed"),
-        ("wire=top128_4bit", "wire=top128_4bit was removed"),
         ("update=orthogonal, ns_steps=4", "ns_steps was removed"),
     ],
 )
@@ -147,4 +149,48 @@ def test_resuming_a_checkpoint_of_a_removed_setting_is_refused_before_anything_l
     resumed = Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=4))
     with pytest.raises(ValueError, match=r"checkpoint-1 is refused: it was trained with decode=mean, and decode was"):
         resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 0
+
+
+def wire_run(tmp_path, optim_args: str, max_steps: int, **overrides) -> Trainer:
+    tok = tokenizer()
+    args = TrainingArguments(
+        str(tmp_path), optim="flexdemo", optim_args=optim_args, use_cpu=True, max_steps=max_steps, save_steps=2,
+        per_device_train_batch_size=2, report_to="none", dataloader_pin_memory=False, learning_rate=1e-3,
+        **overrides,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Trainer(model=tiny_model("llama", len(tok)), args=args, train_dataset=dataset("llama", tok, rows=16))
+
+
+def test_a_fresh_run_that_names_no_wire_records_the_default_in_every_checkpoint(tmp_path):
+    run = wire_run(tmp_path, "chunk=16", max_steps=2)
+    run.train()
+    assert run.args.optim_args == f"chunk=16,wire={DEFAULT_WIRE}"
+    assert saved_optim_args(tmp_path / "checkpoint-2") == f"chunk=16,wire={DEFAULT_WIRE}"
+    assert unwrap_flexdemo(run.optimizer).config.wire == DEFAULT_WIRE
+
+
+def test_a_checkpoint_of_the_old_default_resumes_with_its_own_wire_bitwise(tmp_path):
+    """A run launched before the default changed named no wire and trained DeMo's: resumed by this version with the
+    same optim_args, it goes on with DeMo's wire and ends where the uninterrupted run does."""
+    whole = wire_run(tmp_path / "whole", f"chunk=16,wire={OLD_DEFAULT_WIRE}", max_steps=4)
+    whole.train()
+    saved_args(tmp_path / "whole" / "checkpoint-2", "chunk=16")  # as the old version saved it: no wire named
+    resumed = wire_run(tmp_path / "resumed", "chunk=16", max_steps=4, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert resumed.args.optim_args == f"chunk=16,wire={OLD_DEFAULT_WIRE}"
+    assert unwrap_flexdemo(resumed.optimizer).config.topk == 32
+    for (name, mine), theirs in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(mine, theirs), name
+
+
+def test_a_resume_that_would_switch_the_wire_is_refused_naming_both(tmp_path):
+    wire_run(tmp_path, "chunk=16", max_steps=2).train()  # records the default wire
+    resumed = wire_run(tmp_path, "chunk=16,wire=2bit", max_steps=4)
+    with pytest.raises(ValueError) as refused:
+        resumed.train(resume_from_checkpoint=True)
+    message = str(refused.value)
+    assert f"it was trained with wire={DEFAULT_WIRE}, and this run asks for wire=2bit" in message
+    assert f"Resume with wire={DEFAULT_WIRE} in optim_args" in message
     assert resumed.state.global_step == 0

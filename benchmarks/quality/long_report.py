@@ -3,11 +3,13 @@ configuration in the study directory, from its ``runs.json``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
 
-from long_run import BASELINES, FRACTIONS, LONG_CONFIGS, NODES, LongPreset, StudyDir, bracket, done, winner
+import long_run
+from long_run import BASELINES, FRACTIONS, LONG_CONFIGS, LONG_PRESETS, NODES, StudyDir, bracket, done, winner
 
 
 def mean_curve(runs: list[dict]) -> list[tuple[int, float]]:
@@ -59,6 +61,21 @@ def summary(rows: list[dict]) -> dict[str, dict]:
             "step_s": min(r["step_s"] for r in runs),
         }  # fmt: skip
     return table
+
+
+def paired(table: dict[str, dict], base: str) -> dict[str, dict]:
+    """Per configuration: its final loss against ``base``'s on the same seed (each at its chosen rate), over the seeds
+    both ran: ``{"seeds", "mean", "worst"}``. A seed fixes the held-out split, so only a paired difference ranks."""
+    if base not in table or not table[base]["runs"]:
+        return {}
+    theirs = {r["seed"]: r["final_eval_loss"] for r in table[base]["runs"]}
+    out = {}
+    for config, row in table.items():
+        diffs = {r["seed"]: r["final_eval_loss"] / theirs[r["seed"]] - 1 for r in row["runs"] if r["seed"] in theirs}
+        if config != base and diffs:
+            out[config] = {"seeds": sorted(diffs), "mean": statistics.mean(diffs.values()),
+                           "worst": max(diffs.values()), "each": diffs}  # fmt: skip
+    return out
 
 
 def one_b_bytes(config: str, row: dict, wire_bytes: dict) -> float:
@@ -130,7 +147,8 @@ def plot(out: Path, config: str, table: dict, preset: LongPreset) -> str:
 def report(out: Path, wire_bytes_path: Path) -> str:
     """README.md and the PNGs of the study in ``out``; returns the markdown."""
     held = json.loads((out / "study.json").read_text())
-    preset = LongPreset(name=held["preset"], steps=held["steps"], **held["settings"])
+    preset = dataclasses.replace(LONG_PRESETS[held["preset"]], steps=held["steps"])
+    long_run.CURRENT_PRESET = preset.name  # the bracket centres of this study's preset
     rows = StudyDir(out).rows
     table = summary(rows)
     presets = json.loads(wire_bytes_path.read_text())
@@ -138,21 +156,32 @@ def report(out: Path, wire_bytes_path: Path) -> str:
     tokens = preset.steps * preset.tokens_per_step
     ready = {c: r for c, r in table.items() if r["runs"]}
     epochs = [r["epochs"] for r in rows if r.get("epochs")]
+    if preset.offline_text == "digits":
+        data = (
+            f"ViT of {rows[0]['parameters']:,} parameters trained {preset.steps:,} steps of {preset.tokens_per_step} "
+            f"images ({max(epochs):.0f} epochs of {held['corpus']['documents']:,} digits' training four fifths), "
+            f"cosine decay after a {preset.warmup:.0%} warmup, {preset.evals} evaluations on the held-out fifth "
+            "(the split is seeded: each seed holds out its own). "
+        )
+    else:
+        data = (
+            f"OLMo2 of {rows[0]['parameters']:,} parameters trained {preset.steps:,} steps of "
+            f"{preset.tokens_per_step:,} tokens ({tokens:,} tokens, {tokens / rows[0]['parameters']:.1f} per "
+            f"parameter), cosine decay after a {preset.warmup:.0%} warmup, on `--offline_text {preset.offline_text}` "
+            f"({held['corpus']['documents']:,} files, {held['corpus']['chars'] / 1e6:.1f} MB; the text seen "
+            f"{max(epochs):.2f} times at most), {preset.evals} evaluations on the first {preset.eval_files} held-out "
+            "files (the split is seeded: each seed holds out its own). "
+        )
+    flag = "" if preset.name == long_run.DEFAULT_PRESET else f" --long_preset {preset.name}"
     lines = [
         f"# The loss over a long run: {preset.name}",
         "",
-        f"OLMo2 of {rows[0]['parameters']:,} parameters trained {preset.steps:,} steps of "
-        f"{preset.tokens_per_step:,} tokens ({tokens:,} tokens, {tokens / rows[0]['parameters']:.1f} per parameter), "
-        f"cosine decay after a {preset.warmup:.0%} warmup, on `--offline_text {preset.offline_text}` "
-        f"({held['corpus']['documents']:,} files, {held['corpus']['chars'] / 1e6:.1f} MB; the text seen "
-        f"{max(epochs):.2f} times at most), {preset.evals} evaluations on the first {preset.eval_files} held-out files "
-        "(the split is seeded: each seed holds out its own). "
-        f"Device: {rows[0]['device']}. Replicas: 2, simulated in one process except "
+        data + f"Device: {rows[0]['device']}. Replicas: 2, simulated in one process except "
         f"{', '.join(c for c, s in LONG_CONFIGS.items() if s.layout == NODES)} (2 nodes x 2 processes).",
         "",
-        "    .venv/bin/python benchmarks/quality/quality_study.py --stage long --dry_run",
-        "    nice -n 10 .venv/bin/python benchmarks/quality/quality_study.py --stage long --time_budget SECONDS",
-        "    .venv/bin/python benchmarks/quality/quality_study.py --stage long \\",
+        f"    .venv/bin/python benchmarks/quality/quality_study.py --stage long{flag} --dry_run",
+        f"    nice -n 10 .venv/bin/python benchmarks/quality/quality_study.py --stage long{flag} --time_budget SECONDS",
+        f"    .venv/bin/python benchmarks/quality/quality_study.py --stage long{flag} \\",
         f"        --report benchmarks/results/quality/{preset.name}",
         "",
         "Each rate is chosen at full length on seed 0 (the bracket); the seeds then run at it. "
@@ -180,6 +209,17 @@ def report(out: Path, wire_bytes_path: Path) -> str:
             f"| {config} | {swept} | {row['lr']:g}{edge} | {LONG_CONFIGS[config].short_best:g}{moved} "
             f"| {len(row['runs'])} | {row['loss_mean']:.4f} +- {row['spread']:.4f} | {vs[0]} | {vs[1]} |"
         )
+    for base in BASELINES:
+        against = paired(table, base)
+        if not against:
+            continue
+        lines += ["", f"Against {base} on the same seed (each at its chosen rate; below 0 is better):", ""]
+        lines += ["| config | seeds | each seed | mean | worst seed |", "| --- " * 5 + "|"]
+        for config, row in against.items():
+            each = ", ".join(f"{row['each'][s]:+.2%}" for s in row["seeds"])
+            lines.append(
+                f"| {config} | {len(row['seeds'])} | {each} | {row['mean']:+.2%} | {row['worst']:+.2%} |"
+            )
     for base in BASELINES:
         if base not in ready:
             continue

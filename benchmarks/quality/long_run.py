@@ -67,6 +67,7 @@ class LongPreset:
     warmup: float = 0.05  # of the steps (the Trainer's warmup_steps below 1)
     eval_files: int = 16  # --max_eval_samples counts documents: the first 16 held-out files, 300 to 400 blocks
     offline_text: str = "python_source"
+    script: str = "train_olmo2.py"
 
     @property
     def tokens_per_step(self) -> int:
@@ -94,11 +95,39 @@ class LongPreset:
         ]  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class DigitsPreset(LongPreset):
+    """A small-data, many-epoch task: ``train_vit.py``'s offline ViT on scikit-learn's 1,797 digits (1,438 to train),
+    2 replicas x 64 images a step (as 2 x 2 x 32), evaluated on the held-out fifth. Generalisation decides here, not
+    optimisation: the regime where DeMo's own wire won a held-out check. A "token" is an image."""
+
+    name: str = "vit_digits"
+    steps: int = 500  # 44 epochs
+    blocks_per_replica: int = 64
+    block_size: int = 1
+    eval_files: int = 0
+    offline_text: str = "digits"
+    script: str = "train_vit.py"
+
+    @property
+    def parameters(self) -> int:
+        return 105_034  # the offline preset's ViT (width 64, 2 layers, 16 x 16 images), read from a saved run
+
+    def flags(self) -> list[str]:
+        return [
+            "--max_steps", str(self.steps), "--lr_scheduler_type", "cosine", "--warmup_steps", str(self.warmup),
+            "--eval_strategy", "steps", "--eval_steps", str(self.eval_every),
+            "--logging_steps", str(max(self.eval_every // 4, 1)), "--logging_nan_inf_filter", "false",
+            "--save_strategy", "no", "--report_to", "none",
+        ]  # fmt: skip
+
+
 LONG_PRESETS = {
     "olmo2_long_263k": LongPreset(name="olmo2_long_263k", hidden_size=64, vocab_size=1024, steps=1300),
     # width 128: every weight matrix spans several 64 x 64 tiles (attention 4, MLP 16), as a large model's do
     "olmo2_w128_525k": LongPreset(name="olmo2_w128_525k", hidden_size=128, num_layers=1, vocab_size=1024, steps=1300),
     "olmo2_long": LongPreset(),
+    "vit_digits": DigitsPreset(),
 }
 DEFAULT_PRESET = "olmo2_long_263k"
 
@@ -169,6 +198,8 @@ SEEDS = {name: (0, 1) for name in LONG_CONFIGS} | {
 CENTRES = {
     "olmo2_w128_525k": {"adamw_hsdp": 4e-3, "full": 8e-3, "wire_demo": 1.6e-2, "wire_top128_4bit": 8e-3,
                         "wire_top128_4bit_d095": 8e-3, "wire_top64_1bit": 8e-3},
+    # train_vit.py's offline rate for every rule
+    "vit_digits": dict.fromkeys(("adamw_hsdp", "full", "wire_demo", "wire_top128_4bit", "wire_top128_4bit_d095"), 2e-3),
 }  # fmt: skip
 """A preset's bracket centres where they are not ``short_best``: the rates that won at full length on
 ``olmo2_long_263k`` (its README), so that a second model shape starts where the first one ended."""
@@ -179,6 +210,7 @@ PILOTS = {
     "olmo2_long_263k": {"steps": 60, "train_s": 20.9, "step_s": 0.131, "setup_s": 9.0, "optim": "adamw_torch"},
     # not a pilot: the 263K pilot scaled by the parameters (2x), until the preset's first run finishes
     "olmo2_w128_525k": {"steps": 60, "train_s": 41.8, "step_s": 0.262, "setup_s": 9.0, "optim": "adamw_torch"},
+    "vit_digits": {"steps": 40, "train_s": 20.0, "step_s": 0.3, "setup_s": 15.0, "optim": "flexdemo"},  # a guess
     "olmo2_long": {"steps": 60, "train_s": 54.7, "step_s": 0.470, "setup_s": 40.0, "optim": "flexdemo"},
 }
 """Before any run of a study has finished, the estimate: each preset's pilot (60 steps, 20 evaluations; 2026-12-02
@@ -326,6 +358,10 @@ def corpus_fingerprint(offline_text: str) -> dict:
     sys.path.insert(0, str(ROOT / "training_scripts"))
     import offline_data
 
+    if offline_text == "digits":
+        images, labels = offline_data.digit_images()
+        digest = hashlib.sha1(images.tobytes() + labels.tobytes()).hexdigest()
+        return {"offline_text": offline_text, "documents": len(labels), "sha1": digest}
     documents = offline_data.python_source() if offline_text == "python_source" else None
     if documents is None:
         raise ValueError(f"long run: offline_text={offline_text!r}; the long preset trains on 'python_source'.")
@@ -377,7 +413,7 @@ def run_args(preset: LongPreset, config: str, lr: float, seed: int) -> tuple[lis
 
     spec = LONG_CONFIGS[config]
     args = [*preset.flags(), "--seed", str(seed), "--learning_rate", str(lr), "--optim", spec.optim]
-    args += ["--data_cache", str(DATA_CACHE)]
+    args += ["--data_cache", str(DATA_CACHE)] if preset.script == "train_olmo2.py" else []
     optim_args = spec.optim_args
     if spec.layout == SIMULATED:  # one micro-batch per simulated replica
         args += ["--per_device_train_batch_size", str(preset.blocks_per_replica)]
@@ -399,7 +435,7 @@ def run_one(preset: LongPreset, config: str, lr: float, seed: int, work: Path) -
     out = work / f"{preset.name}_{config}_lr{lr:g}_s{seed}"
     cached = set(DATA_CACHE.glob("*/ready"))
     started = time.time()
-    launch("train_olmo2.py", args, out, one_process=one_process)
+    launch(preset.script, args, out, one_process=one_process)
     prepared = bool(set(DATA_CACHE.glob("*/ready")) - cached)  # this run tokenized its text: a longer start
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     spec = LONG_CONFIGS[config]

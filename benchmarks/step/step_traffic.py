@@ -64,16 +64,19 @@ BASELINE = "fused AdamW"
 
 CONFIGS: dict[str, tuple[type[torch.optim.Optimizer], dict]] = {
     BASELINE: (torch.optim.AdamW, {"fused": True}),
-    "sign": (FlexDeMo, {"update": "sign"}),
+    # The rules on DeMo's wire (32 values a tile as numbers): the rule's own traffic, which the targets hold.
+    "sign": (FlexDeMo, {"update": "sign", "wire": "demo"}),
     # orthogonal, adam for the rest (the embedding and head too); Newton-Schulz in bf16, as on a GPU
-    "default": (FlexDeMo, {"ns_dtype": "bf16"}),
+    "default": (FlexDeMo, {"ns_dtype": "bf16", "wire": "demo"}),
+    # the default rule on the default wire: the 4-bit codes and Elias-Fano indices add their coding (no target)
+    "default, default wire": (FlexDeMo, {"ns_dtype": "bf16"}),
 }
 """Configurations by name: optimizer class and its keyword arguments (besides lr and weight decay).
 A configuration's target (``TARGETS``) is its rule's: the name before a comma (``sign, fused`` -> ``sign``)."""
 
 FUSED_CONFIGS: dict[str, tuple[type[torch.optim.Optimizer], dict]] = {
-    "sign, fused": (FlexDeMo, {"update": "sign", "kernels": "triton"}),
-    "default, fused": (FlexDeMo, {"ns_dtype": "bf16", "kernels": "triton"}),
+    "sign, fused": (FlexDeMo, {"update": "sign", "kernels": "triton", "wire": "demo"}),
+    "default, fused": (FlexDeMo, {"ns_dtype": "bf16", "kernels": "triton", "wire": "demo"}),
 }
 """FlexDeMo's fused Triton path: in ``CONFIGS`` where this FlexDeMo has the setting ``kernels``, counted where
 Triton can run (a CUDA GPU, or the CPU under ``TRITON_INTERPRET=1``)."""

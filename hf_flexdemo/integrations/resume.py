@@ -7,6 +7,9 @@
 - :func:`check_saved_settings`: a checkpoint trained with a setting, scheme or wire preset that was taken out
   (:mod:`hf_flexdemo.removed`) is refused, saying why and where the finding is; its state was made by code this
   version does not have (a removed scheme's shared state, say), so torch's loader would fail or train on it wrongly.
+- :func:`settle_wire`: a run that names no wire records the default it trains with in its ``optim_args`` (and so in
+  every checkpoint); resumed, it takes the wire its checkpoint trained with, so that a checkpoint of an earlier
+  default keeps its wire. A run that names another wire than its checkpoint's is refused, naming both.
 - :func:`stop_if_complete`: a relaunch of a run that reached ``max_steps`` (or
   ``num_train_epochs``) and saved its final state says so in one line and exits with nothing
   changed.
@@ -31,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..config import DEFAULT_WIRE, OLD_DEFAULT_WIRE, WIRE_CHOICES, FlexDeMoConfig, parse_optim_args
 from ..removed import REMOVED_SETTINGS, removed_reason
 
 logger = logging.getLogger(__name__)
@@ -82,8 +86,8 @@ TRAINING_ARGS = "training_args.bin"
 """The Trainer pickles its ``TrainingArguments`` into every checkpoint under this name."""
 
 
-def saved_optim_args(checkpoint: Path) -> str | None:
-    """The ``optim_args`` the checkpoint's run was launched with, or None where it saved none (or no FlexDeMo)."""
+def _saved_flexdemo_args(checkpoint: Path):
+    """The checkpoint's ``TrainingArguments`` where its run trained FlexDeMo, else None."""
     try:
         # The run's own pickle (its TrainingArguments), as Trainer._load_rng_state reads the checkpoint's rng state.
         saved = torch.load(checkpoint / TRAINING_ARGS, weights_only=False)
@@ -91,9 +95,64 @@ def saved_optim_args(checkpoint: Path) -> str | None:
         # no file, a truncated one, or a pickle of classes this install lacks: nothing to check
         return None
     optim = getattr(saved, "optim", None)
-    if getattr(optim, "value", optim) != "flexdemo":  # the Trainer's OptimizerNames member, or its name
-        return None
-    return getattr(saved, "optim_args", None) or None
+    return saved if getattr(optim, "value", optim) == "flexdemo" else None  # an OptimizerNames member, or its name
+
+
+def saved_optim_args(checkpoint: Path) -> str | None:
+    """The ``optim_args`` the checkpoint's run was launched with, or None where it saved none (or no FlexDeMo)."""
+    return getattr(_saved_flexdemo_args(checkpoint), "optim_args", None) or None
+
+
+def _names_a_wire(optim_args: str | None) -> bool:
+    return bool({"wire", *WIRE_CHOICES} & set(parse_optim_args(optim_args)))
+
+
+def _with(optim_args: str | None, setting: str) -> str:
+    return ",".join(filter(None, (optim_args, setting)))
+
+
+def _wire(config: FlexDeMoConfig) -> tuple:
+    return tuple(getattr(config, key) for key in WIRE_CHOICES)
+
+
+def _wire_setting(config: FlexDeMoConfig) -> str:
+    """``wire=NAME``, or the knobs where no preset names the wire ("" for a scheme that sends no top-k)."""
+    if config.wire is not None:
+        return f"wire={config.wire}"
+    if not config.traits.top_k:
+        return ""
+    keys = [key for key in WIRE_CHOICES if key != "value_dtype" or not config.value_bits]  # codes carry no dtype
+    return ",".join(f"{key}={str(getattr(config, key)).lower()}" for key in keys)
+
+
+def settle_wire(args, checkpoint: Path | None) -> None:
+    """Write into ``args.optim_args`` the wire this run trains with, where it names none.
+
+    A fresh run records the default (:data:`~hf_flexdemo.config.DEFAULT_WIRE`), so that its checkpoints say which
+    wire they trained with. A resumed run takes its checkpoint's: the checkpoint's recorded wire, or for one saved
+    before the wire was recorded with no wire named, the default of its time (``OLD_DEFAULT_WIRE``). A run that
+    names a wire other than its checkpoint's is refused, naming both."""
+    saved = _saved_flexdemo_args(checkpoint) if checkpoint is not None else None
+    if saved is None:
+        if not _names_a_wire(args.optim_args) and FlexDeMoConfig.from_optim_args(args.optim_args).wire == DEFAULT_WIRE:
+            args.optim_args = _with(args.optim_args, f"wire={DEFAULT_WIRE}")
+        return
+    saved_args = saved.optim_args or None
+    was = FlexDeMoConfig.from_optim_args(saved_args)
+    if not _names_a_wire(saved_args) and was.wire == DEFAULT_WIRE:  # saved before runs recorded their wire
+        was = FlexDeMoConfig.from_optim_args(_with(saved_args, f"wire={OLD_DEFAULT_WIRE}"))
+    if not _names_a_wire(args.optim_args):
+        args.optim_args = _with(args.optim_args, _wire_setting(was))
+        logger.info("Resuming %s with the wire it trained with: %s", checkpoint, _wire_setting(was))
+        return
+    now = FlexDeMoConfig.from_optim_args(args.optim_args)
+    if _wire(now) != _wire(was):
+        raise ValueError(
+            f"Resuming from {checkpoint} is refused: it was trained with {_wire_setting(was)}, and this run asks "
+            f"for {_wire_setting(now)}; a wire switched mid-run would train the rest on another wire than the "
+            f"error feedback was built for. Resume with {_wire_setting(was)} in optim_args (or name no wire: the "
+            "checkpoint's is taken), or start a new run in another --output_dir."
+        )
 
 
 def check_saved_settings(checkpoint: Path) -> None:

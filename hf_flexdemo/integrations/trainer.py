@@ -43,7 +43,7 @@ from .callback import FlexDeMoCallback
 from .checkpoints import CheckpointCallback, check_writable, resolve_resume, storage_errors
 from .final_model import save_model
 from .patches import applies, located, wrap
-from .resume import check_checkpoint_model, check_saved_settings, stop_if_complete
+from .resume import check_checkpoint_model, check_saved_settings, settle_wire, stop_if_complete
 from .simulation import check_simulation_args
 from .training_args import (
     OPTIM_NAME,
@@ -241,8 +241,11 @@ def _trainer_train(original, self, resume_from_checkpoint=None, *args, **kwargs)
     if resume is not None:
         check_checkpoint_model(Path(resume), self.model)
         stop_if_complete(Path(resume), self.args)
+    if is_flexdemo(self.args):
+        if resume is not None:
+            check_saved_settings(Path(resume))  # before the rules: a removed one is the cause to name
+        settle_wire(self.args, None if resume is None else Path(resume))
     if resume is not None and is_flexdemo(self.args):
-        check_saved_settings(Path(resume))  # before the rules: a removed one is the cause to name
         config = flexdemo_config(self.args)
         _check_resumed_rules(Path(resume), config)
         if config.fault_tolerant:
