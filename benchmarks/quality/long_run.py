@@ -151,7 +151,8 @@ ORTHO = "update=orthogonal"  # the default rule (Muon on the matrices, Adam's el
 LONG_CONFIGS = {
     "adamw_hsdp": LongConfig("adamw_torch", "", SIMULATED, 4e-3, ("dense", 1)),
     "full": LongConfig("flexdemo", f"scheme=full,{ORTHO}", SIMULATED, 4e-3, ("dense", 1)),
-    "wire_demo": LongConfig("flexdemo", ORTHO, SIMULATED, 4e-3, ("demo", 1)),
+    # DeMo's wire (the package default until the long runs; its rows before that named no wire)
+    "wire_demo": LongConfig("flexdemo", f"wire=demo,{ORTHO}", SIMULATED, 4e-3, ("demo", 1)),
     "wire_top128_4bit": LongConfig(
         "flexdemo",
         f"topk=128,value_bits=4,pack_indices=true,index_coding=elias_fano,{ORTHO}",
@@ -348,6 +349,8 @@ class StudyDir:
 def manifest(preset: LongPreset, corpus: dict | None) -> dict:
     """What the runs of one study share; ``corpus`` is None where it is not computed (the dry run)."""
     settings = {k: v for k, v in dataclasses.asdict(preset).items() if k not in ("name", "steps")}
+    if settings["script"] == LongPreset.script:  # studies before other scripts did not record it
+        del settings["script"]
     held = {"preset": preset.name, "steps": preset.steps, "settings": settings}
     return held | ({"corpus": corpus} if corpus is not None else {})
 
