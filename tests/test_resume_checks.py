@@ -19,7 +19,6 @@ from transformers import Trainer, TrainingArguments
 
 import hf_flexdemo  # noqa: F401  (the Trainer glue)
 from hf_flexdemo.config import DEFAULT_WIRE, OLD_DEFAULT_WIRE
-from hf_flexdemo.optim import unwrap_flexdemo
 from hf_flexdemo.integrations.resume import (
     MODEL_FOLDER,
     check_checkpoint_model,
@@ -27,6 +26,7 @@ from hf_flexdemo.integrations.resume import (
     saved_optim_args,
     stop_if_complete,
 )
+from hf_flexdemo.optim import unwrap_flexdemo
 
 pytestmark = pytest.mark.unit
 

@@ -20,6 +20,8 @@ from support.launch import REPO_ROOT, child_env, run_checked
 from support.t5_run import STEPS as T5_STEPS
 from support.t5_run import TOKEN, push_flags
 
+from hf_flexdemo.config import DEFAULT_WIRE
+
 pytestmark = pytest.mark.scripts
 
 SCRIPTS = REPO_ROOT / "training_scripts"
@@ -94,7 +96,7 @@ def test_metrics_are_computed(runs, name, metrics):
 @pytest.mark.parametrize("name,metric", [("t5", "eval_chrf"), ("vit", "eval_accuracy"), ("olmo2", "eval_perplexity")])
 def test_model_card_has_the_figures(runs, name, metric):
     card = (runs["dirs"][name] / "README.md").read_text()
-    assert "FlexDeMo(scheme='demo', topk=32, chunk=64" in card
+    assert f"FlexDeMo(wire='{DEFAULT_WIRE}', scheme='demo', topk=128, chunk=64" in card
     assert "2 nodes x 2 processes" in card
     sent = re.search(
         rf"over {STEPS_OF[name]} steps: \*\*([\d.]+ [KMG]?B)\*\* sent, against\s+\*\*([\d.]+ [KMG]?B)\*\*", card
