@@ -227,6 +227,18 @@ def test_every_configuration_is_settings_the_package_takes():
     assert (spelled.topk, spelled.chunk, spelled.scale_topk, spelled.value_bits) == (144, 128, True, 2)
 
 
+def test_the_long_studys_default_configuration_trains_the_package_default():
+    from long_run import DEFAULT_CONFIG, LONG_CONFIGS, ORTHO
+
+    from hf_flexdemo import FlexDeMoConfig
+    from hf_flexdemo.config import WIRE_CHOICES
+
+    spelled = FlexDeMoConfig.from_optim_args(LONG_CONFIGS[DEFAULT_CONFIG].optim_args)
+    default = FlexDeMoConfig.from_optim_args(ORTHO)
+    assert [getattr(spelled, k) for k in WIRE_CHOICES] == [getattr(default, k) for k in WIRE_CHOICES]
+    assert (spelled.decay, spelled.update) == (default.decay, default.update)
+
+
 # The long run (issue 64): its plan, the study directory's guard, divergence, the time budget and the report.
 
 

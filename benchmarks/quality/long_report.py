@@ -9,7 +9,22 @@ import statistics
 from pathlib import Path
 
 import long_run
-from long_run import BASELINES, FRACTIONS, LONG_CONFIGS, LONG_PRESETS, NODES, StudyDir, bracket, done, winner
+from long_run import (
+    BASELINES,
+    DEFAULT_CONFIG,
+    FRACTIONS,
+    LONG_CONFIGS,
+    LONG_PRESETS,
+    NODES,
+    StudyDir,
+    bracket,
+    done,
+    winner,
+)
+
+
+def label(config: str) -> str:
+    return f"default ({config})" if config == DEFAULT_CONFIG else config
 
 
 def mean_curve(runs: list[dict]) -> list[tuple[int, float]]:
@@ -218,7 +233,7 @@ def report(out: Path, wire_bytes_path: Path) -> str:
         for config, row in against.items():
             each = ", ".join(f"{row['each'][s]:+.2%}" for s in row["seeds"])
             lines.append(
-                f"| {config} | {len(row['seeds'])} | {each} | {row['mean']:+.2%} | {row['worst']:+.2%} |"
+                f"| {label(config)} | {len(row['seeds'])} | {each} | {row['mean']:+.2%} | {row['worst']:+.2%} |"
             )
     for base in BASELINES:
         if base not in ready:

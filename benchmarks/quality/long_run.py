@@ -186,6 +186,9 @@ LONG_CONFIGS = {
     ),
 }
 """``short_best``: benchmarks/results/quality/quality_olmo2 (SparseLoCo: quality_olmo2_issue45)."""
+DEFAULT_CONFIG = "wire_top128_4bit"
+"""The package default's configuration (its knobs are ``DEFAULT_WIRE``'s, spelled out so that its rows keep their
+meaning when the default moves); reports name it ``default``."""
 BASELINES = ("adamw_hsdp", "full")
 BRACKET = (0.5, 1.0, 2.0)
 """Seed 0's rates: these multiples of the short-run best; a winner at an edge gets a rate beyond it (MAX_EDGES)."""
