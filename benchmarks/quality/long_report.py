@@ -202,7 +202,7 @@ def report(out: Path, wire_bytes_path: Path) -> str:
         "Each rate is chosen at full length on seed 0 (the bracket); the seeds then run at it. "
         f"{len(rows)} runs in `runs.json`.",
         "",
-        "| config | rates on seed 0 (final loss) | chosen | short-run best | seeds "
+        "| config | rates on seed 0 (final loss) | chosen | bracket centre | seeds "
         "| final eval loss (mean +- half-range) | vs AdamW-HSDP | vs full |",
         "| --- " * 8 + "|",
     ]
@@ -212,16 +212,16 @@ def report(out: Path, wire_bytes_path: Path) -> str:
             for r in sorted(row["bracket"], key=lambda r: r["lr"])
         )
         if not row["runs"]:
-            lines.append(f"| {config} | {swept} | none | {LONG_CONFIGS[config].short_best:g} | 0 | - | - | - |")
+            lines.append(f"| {config} | {swept} | none | {long_run.centre(config):g} | 0 | - | - | - |")
             continue
         vs = [f"{row['loss_mean'] / ready[b]['loss_mean'] - 1:+.2%}" if b in ready else "-" for b in BASELINES]
         edge = ", at the edge" if row["at_edge"] else ""
         complete = all(done(rows, config, lr, 0) for lr in bracket(config))
         moved = (
-            "" if row["lr"] == LONG_CONFIGS[config].short_best else " (moved)" if complete else " (bracket incomplete)"
+            "" if row["lr"] == long_run.centre(config) else " (moved)" if complete else " (bracket incomplete)"
         )
         lines.append(
-            f"| {config} | {swept} | {row['lr']:g}{edge} | {LONG_CONFIGS[config].short_best:g}{moved} "
+            f"| {config} | {swept} | {row['lr']:g}{edge} | {long_run.centre(config):g}{moved} "
             f"| {len(row['runs'])} | {row['loss_mean']:.4f} +- {row['spread']:.4f} | {vs[0]} | {vs[1]} |"
         )
     for base in BASELINES:
@@ -245,7 +245,7 @@ def report(out: Path, wire_bytes_path: Path) -> str:
                 gap = gaps(row["curve"], ready[base]["curve"], tokens)
                 cells = ("-" if gap[f] is None else f"{gap[f]:+.2%}" for f in FRACTIONS)
                 lines.append(f"| {config} | " + " | ".join(cells) + " |")
-    if "adamw_hsdp" in ready:
+    if "adamw_hsdp" in ready and preset.offline_text != "digits":  # the model of OLMo2-1B's steps
         reach = time_to_adamw(ready, wire_bytes)
         lines += [
             "",

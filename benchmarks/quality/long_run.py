@@ -248,9 +248,13 @@ CURRENT_PRESET = DEFAULT_PRESET
 """The preset whose centres :func:`bracket` uses; :func:`main` sets it from ``--long_preset``."""
 
 
+def centre(config: str) -> float:
+    """The rate seed 0's bracket is centred on, in the current preset."""
+    return CENTRES.get(CURRENT_PRESET, {}).get(config, LONG_CONFIGS[config].short_best)
+
+
 def bracket(config: str) -> list[float]:
-    centre = CENTRES.get(CURRENT_PRESET, {}).get(config, LONG_CONFIGS[config].short_best)
-    return [float(f"{centre * m:.6g}") for m in BRACKET]
+    return [float(f"{centre(config) * m:.6g}") for m in BRACKET]
 
 
 def edge_rates(rows: list[dict], config: str) -> list[float]:
