@@ -79,9 +79,10 @@ DEFAULT_WIRE = "top128_4bit"
 (BENCHMARKS.md, "Which wire is the default?"). Before it, the default was ``demo``."""
 OLD_DEFAULT_WIRE = "demo"
 """What a run that named no wire trained with before :data:`DEFAULT_WIRE`: its checkpoints resume with it."""
-WIRE_CHOICES = ("topk", "value_bits", "pack_indices", "index_coding", "value_dtype")
+WIRE_CHOICES = ("topk", "chunk", "value_bits", "pack_indices", "index_coding", "value_dtype")
 """Settings that say how values travel: any one given, the wire is as given and :data:`DEFAULT_WIRE` does not apply
-(``value_dtype``: values sent as numbers, which the default wire's codes are not)."""
+(``value_dtype``: values sent as numbers, which the default wire's codes are not; ``chunk``: the default's 128
+coefficients are measured on 64 x 64 tiles, and a tile of 8 x 8 holds only 64)."""
 KNOBS_NOT_GIVEN = {"value_bits": 0, "pack_indices": False, "index_coding": "fixed"}
 """What the knobs (``topk`` aside: :data:`NOT_GIVEN_DEFAULTS`) take where some are given and no preset applies."""
 
@@ -185,7 +186,8 @@ class ReplicationSettings:
         },
     )
     topk: int | None = field(
-        default=None, metadata={"help": "demo, sparseloco: coefficients (entries) sent per tile. Unset: 32."}
+        default=None,
+        metadata={"help": "demo, sparseloco: coefficients (entries) sent per tile. Unset: 128 (the default wire), else 32."},
     )
     chunk: int | None = field(
         default=None, metadata={"help": "demo, sparseloco: largest tile side of the chunked DCT. Unset: 64."}
@@ -267,7 +269,7 @@ class WireSettings:
         default=None,
         metadata={
             "help": f"demo: a measured wire format by name, one of {list(WIRE_PRESETS)}; it sets {WIRE_KNOBS} (a knob "
-            f"also given must agree). Unset: {DEFAULT_WIRE!r} where no knob (nor value_dtype) is given."
+            f"also given must agree). Unset: {DEFAULT_WIRE!r} on scheme='demo' where no knob, chunk or value_dtype is given."
         },
     )
     value_dtype: str | None = field(

@@ -24,6 +24,7 @@ from hf_flexdemo.integrations.resume import (
     check_checkpoint_model,
     check_saved_settings,
     saved_optim_args,
+    settle_wire,
     stop_if_complete,
 )
 from hf_flexdemo.optim import unwrap_flexdemo
@@ -164,33 +165,49 @@ def wire_run(tmp_path, optim_args: str, max_steps: int, **overrides) -> Trainer:
 
 
 def test_a_fresh_run_that_names_no_wire_records_the_default_in_every_checkpoint(tmp_path):
-    run = wire_run(tmp_path, "chunk=16", max_steps=2)
+    run = wire_run(tmp_path, "update=orthogonal", max_steps=2)
     run.train()
-    assert run.args.optim_args == f"chunk=16,wire={DEFAULT_WIRE}"
-    assert saved_optim_args(tmp_path / "checkpoint-2") == f"chunk=16,wire={DEFAULT_WIRE}"
+    assert run.args.optim_args == f"update=orthogonal,wire={DEFAULT_WIRE}"
+    assert saved_optim_args(tmp_path / "checkpoint-2") == f"update=orthogonal,wire={DEFAULT_WIRE}"
     assert unwrap_flexdemo(run.optimizer).config.wire == DEFAULT_WIRE
 
 
 def test_a_checkpoint_of_the_old_default_resumes_with_its_own_wire_bitwise(tmp_path):
     """A run launched before the default changed named no wire and trained DeMo's: resumed by this version with the
     same optim_args, it goes on with DeMo's wire and ends where the uninterrupted run does."""
-    whole = wire_run(tmp_path / "whole", f"chunk=16,wire={OLD_DEFAULT_WIRE}", max_steps=4)
+    whole = wire_run(tmp_path / "whole", f"update=orthogonal,wire={OLD_DEFAULT_WIRE}", max_steps=4)
     whole.train()
-    saved_args(tmp_path / "whole" / "checkpoint-2", "chunk=16")  # as the old version saved it: no wire named
-    resumed = wire_run(tmp_path / "resumed", "chunk=16", max_steps=4, save_strategy="no")
+    saved_args(tmp_path / "whole" / "checkpoint-2", "update=orthogonal")  # as the old version saved it: no wire named
+    resumed = wire_run(tmp_path / "resumed", "update=orthogonal", max_steps=4, save_strategy="no")
     resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
-    assert resumed.args.optim_args == f"chunk=16,wire={OLD_DEFAULT_WIRE}"
+    assert resumed.args.optim_args == f"update=orthogonal,wire={OLD_DEFAULT_WIRE}"
     assert unwrap_flexdemo(resumed.optimizer).config.topk == 32
     for (name, mine), theirs in zip(whole.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(mine, theirs), name
 
 
 def test_a_resume_that_would_switch_the_wire_is_refused_naming_both(tmp_path):
-    wire_run(tmp_path, "chunk=16", max_steps=2).train()  # records the default wire
-    resumed = wire_run(tmp_path, "chunk=16,wire=2bit", max_steps=4)
+    wire_run(tmp_path, "update=orthogonal", max_steps=2).train()  # records the default wire
+    resumed = wire_run(tmp_path, "update=orthogonal,wire=2bit", max_steps=4)
     with pytest.raises(ValueError) as refused:
         resumed.train(resume_from_checkpoint=True)
     message = str(refused.value)
     assert f"it was trained with wire={DEFAULT_WIRE}, and this run asks for wire=2bit" in message
     assert f"Resume with wire={DEFAULT_WIRE} in optim_args" in message
     assert resumed.state.global_step == 0
+
+
+def test_a_checkpoints_wire_is_read_without_the_settings_of_its_machine(tmp_path):
+    """A checkpoint of a GPU node (kernels=triton) resumed on a CPU: only the settings that decide the wire are read."""
+    checkpoint = saved_args(tmp_path / "checkpoint-4", "kernels=triton,update=orthogonal")
+    args = SimpleNamespace(optim_args="update=orthogonal")
+    settle_wire(args, checkpoint)
+    assert args.optim_args == f"update=orthogonal,wire={OLD_DEFAULT_WIRE}"
+
+
+def test_a_chunk_given_keeps_the_knobs_as_given():
+    """The default's 128 coefficients are measured on 64 x 64 tiles: a run that sets its tiles sets its wire."""
+    from hf_flexdemo import FlexDeMoConfig
+
+    assert (FlexDeMoConfig(chunk=8).wire, FlexDeMoConfig(chunk=8).topk) == (None, 32)
+    assert FlexDeMoConfig().wire == DEFAULT_WIRE

@@ -151,8 +151,13 @@ def newer_than_lock(installed: dict[str, str], lock: dict[str, str]) -> list[tup
 def newer(args) -> None:
     """Print the releases ``.venv-newest`` installed that are newer than the lock. Never a failure."""
     python = str(Path(args.venv) / "bin" / "python")
-    installed = parse_pins(run(python, "-m", "pip", "freeze", "--exclude-editable"))
-    ahead = newer_than_lock(installed, parse_pins(LOCK.read_text()))
+    try:
+        frozen = run(python, "-m", "pip", "freeze", "--exclude-editable")
+        installed = parse_pins("\n".join(line for line in frozen.splitlines() if "==" in line))  # not `name @ url`
+        ahead = newer_than_lock(installed, parse_pins(LOCK.read_text()))
+    except (OSError, subprocess.CalledProcessError, ValueError) as error:
+        print(f"lock: could not compare {args.venv} with the lock ({error}); the tests above are what counts")
+        return
     if not ahead:
         print(f"lock: no release newer than {LOCK.relative_to(ROOT)} in {args.venv}")
         return
@@ -174,6 +179,11 @@ def explain(args) -> None:
         capture_output=True,
     )
     found = MISSING.search(checked.stderr)
+    if found and "(from versions: none)" in checked.stderr:
+        sys.exit(
+            f"lock: pip found no version at all of {found.group(1)}: the package index may be unreachable from "
+            f"here, or serve no build of it for this platform. pip said:\n{checked.stderr}"
+        )
     if found:
         sys.exit(
             f"lock: {LOCK.relative_to(ROOT)} pins {found.group(1)}=={found.group(2)}, which the package registry "

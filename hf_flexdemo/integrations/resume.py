@@ -103,6 +103,24 @@ def saved_optim_args(checkpoint: Path) -> str | None:
     return getattr(_saved_flexdemo_args(checkpoint), "optim_args", None) or None
 
 
+WIRE_DECIDERS = ("scheme", "shared_indices", "wire", *WIRE_CHOICES)
+"""The settings that decide a run's wire: its checkpoint's are read alone, so that a setting of another machine
+(``kernels=triton`` saved on a GPU node) does not stop a resume on this one."""
+
+
+def _wire_of(optim_args: str | None, where: str, old_default: bool = False) -> FlexDeMoConfig:
+    """The wire ``optim_args`` train with (``old_default``: as before the default moved: a demo run that names no
+    wire sends ``OLD_DEFAULT_WIRE``)."""
+    try:
+        given = {k: v for k, v in parse_optim_args(optim_args).items() if k in WIRE_DECIDERS}
+        if old_default and not given.keys() & {"wire", *WIRE_CHOICES}:
+            was = FlexDeMoConfig(**given)
+            given |= {"wire": OLD_DEFAULT_WIRE} if was.wire == DEFAULT_WIRE else {}
+        return FlexDeMoConfig(**given)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{where}: its optim_args {optim_args!r} name no wire this version reads: {error}") from None
+
+
 def _names_a_wire(optim_args: str | None) -> bool:
     return bool({"wire", *WIRE_CHOICES} & set(parse_optim_args(optim_args)))
 
@@ -134,18 +152,15 @@ def settle_wire(args, checkpoint: Path | None) -> None:
     names a wire other than its checkpoint's is refused, naming both."""
     saved = _saved_flexdemo_args(checkpoint) if checkpoint is not None else None
     if saved is None:
-        if not _names_a_wire(args.optim_args) and FlexDeMoConfig.from_optim_args(args.optim_args).wire == DEFAULT_WIRE:
+        if not _names_a_wire(args.optim_args) and _wire_of(args.optim_args, "this run").wire == DEFAULT_WIRE:
             args.optim_args = _with(args.optim_args, f"wire={DEFAULT_WIRE}")
         return
-    saved_args = saved.optim_args or None
-    was = FlexDeMoConfig.from_optim_args(saved_args)
-    if not _names_a_wire(saved_args) and was.wire == DEFAULT_WIRE:  # saved before runs recorded their wire
-        was = FlexDeMoConfig.from_optim_args(_with(saved_args, f"wire={OLD_DEFAULT_WIRE}"))
+    was = _wire_of(saved.optim_args or None, f"Resuming from {checkpoint}", old_default=True)
     if not _names_a_wire(args.optim_args):
         args.optim_args = _with(args.optim_args, _wire_setting(was))
         logger.info("Resuming %s with the wire it trained with: %s", checkpoint, _wire_setting(was))
         return
-    now = FlexDeMoConfig.from_optim_args(args.optim_args)
+    now = _wire_of(args.optim_args, "this run")
     if _wire(now) != _wire(was):
         raise ValueError(
             f"Resuming from {checkpoint} is refused: it was trained with {_wire_setting(was)}, and this run asks "
