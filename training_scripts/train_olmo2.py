@@ -9,7 +9,7 @@
     # OLMo-2 1B from its config on WikiText-103, 2 GPU nodes x 8; run on every node:
     accelerate launch --config_file accelerate_configs/flexdemo.yaml \
         --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR \
-        training_scripts/train_olmo2.py --optim_args "topk=32,chunk=64" --bf16
+        training_scripts/train_olmo2.py --bf16
     # Continued training of the released checkpoint instead:  add --no_from_config
 
     # Fine-tuning offline: a model saved by an offline run (Hub format), trained on other text:

@@ -9,7 +9,7 @@
     # t5-small on OPUS books en->fr (the paper's set-up), 2 GPU nodes x 8; run on every node:
     accelerate launch --config_file accelerate_configs/flexdemo.yaml \
         --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR \
-        training_scripts/train_t5.py --optim_args "topk=32,chunk=64" --bf16 \
+        training_scripts/train_t5.py --bf16 \
         --push_to_hub --hub_model_id you/t5-small-opus-en-fr-flexdemo
     # Pretraining from the config (random weights) instead of fine-tuning:  add --from_config
 

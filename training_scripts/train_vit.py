@@ -9,7 +9,7 @@
     # ViT-Base on CIFAR-10 (the paper's set-up), 2 GPU nodes x 8; run on every node:
     accelerate launch --config_file accelerate_configs/flexdemo.yaml \
         --machine_rank $NODE_RANK --main_process_ip $MASTER_ADDR \
-        training_scripts/train_vit.py --optim_args "topk=32,chunk=64" --bf16
+        training_scripts/train_vit.py --bf16
 
 Every `TrainingArguments` flag works; `--optim flexdemo` is the default. The offline preset
 trains a tiny ViT built from a config on scikit-learn's handwritten digits.
