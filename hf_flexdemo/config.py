@@ -76,7 +76,7 @@ WIRE_KNOBS = "topk, value_bits, pack_indices and index_coding"
 """What every preset sets."""
 DEFAULT_WIRE = "top128_4bit"
 """The wire of scheme='demo' when neither ``wire`` nor any of its knobs is given: the long runs' winner
-(BENCHMARKS.md, "Which wire is the default?"). Before it, the default was ``demo``."""
+(BENCHMARKS.md, "Which wire is the default, over a whole run?"). Before it, the default was ``demo``."""
 OLD_DEFAULT_WIRE = "demo"
 """What a run that named no wire trained with before :data:`DEFAULT_WIRE`: its checkpoints resume with it."""
 WIRE_CHOICES = ("topk", "chunk", "value_bits", "pack_indices", "index_coding", "value_dtype")
@@ -187,7 +187,8 @@ class ReplicationSettings:
     )
     topk: int | None = field(
         default=None,
-        metadata={"help": "demo, sparseloco: coefficients (entries) sent per tile. Unset: 128 (the default wire), else 32."},
+        metadata={"help": "demo, sparseloco: coefficients (entries) sent per tile. Unset: 128 (the default wire), else "
+                  "32."},
     )
     chunk: int | None = field(
         default=None, metadata={"help": "demo, sparseloco: largest tile side of the chunked DCT. Unset: 64."}
@@ -269,7 +270,8 @@ class WireSettings:
         default=None,
         metadata={
             "help": f"demo: a measured wire format by name, one of {list(WIRE_PRESETS)}; it sets {WIRE_KNOBS} (a knob "
-            f"also given must agree). Unset: {DEFAULT_WIRE!r} on scheme='demo' where no knob, chunk or value_dtype is given."
+            f"also given must agree). Unset: {DEFAULT_WIRE!r} on scheme='demo' where no knob, chunk or value_dtype "
+            "is given."
         },
     )
     value_dtype: str | None = field(

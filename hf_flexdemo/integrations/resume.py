@@ -103,7 +103,9 @@ def saved_optim_args(checkpoint: Path) -> str | None:
     return getattr(_saved_flexdemo_args(checkpoint), "optim_args", None) or None
 
 
-WIRE_DECIDERS = ("scheme", "shared_indices", "wire", *WIRE_CHOICES)
+NAMES_A_WIRE = ("wire", *WIRE_CHOICES)
+"""Settings that name a run's wire: one given, neither the default nor a checkpoint's wire is taken."""
+WIRE_DECIDERS = ("scheme", "shared_indices", *NAMES_A_WIRE)
 """The settings that decide a run's wire: its checkpoint's are read alone, so that a setting of another machine
 (``kernels=triton`` saved on a GPU node) does not stop a resume on this one."""
 
@@ -113,7 +115,7 @@ def _wire_of(optim_args: str | None, where: str, old_default: bool = False) -> F
     wire sends ``OLD_DEFAULT_WIRE``)."""
     try:
         given = {k: v for k, v in parse_optim_args(optim_args).items() if k in WIRE_DECIDERS}
-        if old_default and not given.keys() & {"wire", *WIRE_CHOICES}:
+        if old_default and not given.keys() & set(NAMES_A_WIRE):
             was = FlexDeMoConfig(**given)
             given |= {"wire": OLD_DEFAULT_WIRE} if was.wire == DEFAULT_WIRE else {}
         return FlexDeMoConfig(**given)
@@ -122,7 +124,7 @@ def _wire_of(optim_args: str | None, where: str, old_default: bool = False) -> F
 
 
 def _names_a_wire(optim_args: str | None) -> bool:
-    return bool({"wire", *WIRE_CHOICES} & set(parse_optim_args(optim_args)))
+    return bool(set(NAMES_A_WIRE) & set(parse_optim_args(optim_args)))
 
 
 def _with(optim_args: str | None, setting: str) -> str:

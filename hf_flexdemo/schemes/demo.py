@@ -28,7 +28,7 @@ import torch
 
 from ..buckets import Bucket, ParamSlot
 from ..compression import ChunkPlan, to_coefficients
-from ..config import DEFAULT_WIRE, FlexDeMoConfig
+from ..config import DEFAULT_WIRE, OLD_DEFAULT_WIRE, FlexDeMoConfig
 from ..kernels import check_bucket, encoder
 from ..scheme_traits import SchemeTraits
 from .base import Collective, Decoded, SparseCoefficients, StepContext
@@ -50,7 +50,8 @@ def check_saved_tiles(saved_groups: list[dict], param_groups: list[dict], wire: 
             asked = ", ".join(f"{key}={value}" for key, value in now.items())
             preset = f" (wire={wire!r})" if wire else ""
             if wire == DEFAULT_WIRE:  # a plain torch resume of a run from before the default moved
-                preset += f"; a run that named no wire before the default became {DEFAULT_WIRE!r} sent wire='demo'"
+                before = f"; a run that named no wire before the default became {DEFAULT_WIRE!r}"
+                preset += f"{before} sent wire={OLD_DEFAULT_WIRE!r}"
             raise ValueError(
                 f"FlexDeMo: the checkpoint trained parameter group {index} with {written}, but this run sets "
                 f"{asked}{preset}; torch would restore the checkpoint's and train on them without a word. Resume "
