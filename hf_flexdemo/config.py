@@ -231,19 +231,12 @@ class ReplicationSettings:
         default=False,
         metadata={"help": "Per-step schemes: apply each step's exchange one step late, hiding it behind compute."},
     )
-    shared_indices: bool = field(
-        default=False,
-        metadata={
-            "help": "demo: every replica sends its coefficients at one index set, picked by each replica in turn, in "
-            "an all-reduce: bytes per node stay flat as nodes are added (values in float32)."
-        },
-    )
 
     def _check_replication(self) -> None:
         """The values given; a setting still ``None`` was not given (:data:`SCHEME_SETTINGS`)."""
         check_choice("scheme", self.scheme, scheme_names())
         check_int("replicate_every", self.replicate_every, low=1)
-        for name in ("overlap", "shared_indices", "scale_topk"):
+        for name in ("overlap", "scale_topk"):
             check_bool(name, getattr(self, name))
         if self.rate is not None:
             check_float("rate", self.rate, low=0.0, high=1.0, low_open=True)
@@ -337,7 +330,7 @@ class ExecutionSettings:
         default="torch",
         metadata={
             "help": "demo: 'torch' (default) runs the step as torch operations; 'triton' as fused Triton kernels, "
-            "the same results to float32 rounding. Needs no shared_indices, chunk <= 64, 16- or 32-bit parameters "
+            "the same results to float32 rounding. Needs chunk <= 64, 16- or 32-bit parameters "
             "and a CUDA GPU."
         },
     )
@@ -469,8 +462,6 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
                 f"FlexDeMo: overlap=True applies to the per-step schemes {schemes_where('per_step')}, not to "
                 f"scheme={self.scheme!r}; drop overlap=True."
             )
-        if self.shared_indices:
-            self._check_shared_indices()
         self._check_index_coding()
         if self.replay_steps and not self.traits.replayable:
             raise ValueError(
@@ -487,7 +478,7 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
 
     def _check_execution_against_the_rest(self) -> None:
         if self.kernels != "torch":
-            check_kernel_settings(scheme=self.scheme, shared_indices=self.shared_indices, chunk=self.chunk)
+            check_kernel_settings(scheme=self.scheme, chunk=self.chunk)
         if self.simulate_replicas == 1:
             return
         if not self.traits.per_step:
@@ -524,7 +515,7 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
         ``wire`` and no knob given, scheme='demo' takes :data:`DEFAULT_WIRE`; knobs still unset take
         :data:`KNOBS_NOT_GIVEN`."""
         knobs_given = any(getattr(self, key) is not None for key in WIRE_CHOICES)
-        if self.wire is None and self.traits.dct and not knobs_given and not self.shared_indices:
+        if self.wire is None and self.traits.dct and not knobs_given:
             self.wire = DEFAULT_WIRE
         if self.wire is not None:
             self._set_preset_knobs()
@@ -577,36 +568,16 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
     def _check_index_coding(self) -> None:
         if self.index_coding == "fixed":
             return
-        if not self.traits.top_k or self.shared_indices:
-            where = "shared_indices=True (one index set, summed)" if self.shared_indices else f"scheme={self.scheme!r}"
+        if not self.traits.top_k:
             raise ValueError(
                 f"FlexDeMo: index_coding={self.index_coding!r} codes the indices of the top-k schemes "
-                f"{schemes_where('top_k')} "
-                f"without shared_indices, so with {where} it would be ignored; drop index_coding."
+                f"{schemes_where('top_k')}, so with scheme={self.scheme!r} it would be ignored; drop index_coding."
             )
         if not self.pack_indices:
             raise ValueError(
                 f"FlexDeMo: index_coding={self.index_coding!r} writes the indices as bit fields, but "
                 "pack_indices=False asks for 16-bit ones; set pack_indices=True as well (or pick a wire= preset)."
             )
-
-    def _check_shared_indices(self) -> None:
-        if not self.traits.dct:
-            raise ValueError(
-                f"FlexDeMo: shared_indices=True applies to scheme='demo', not scheme={self.scheme!r}; "
-                "leave shared_indices=False."
-            )
-        # An all-reduce sums what it carries: per-tile codes and packed bits cannot be summed.
-        allowed = {"value_bits": (0, "0"), "pack_indices": (False, "False"), "value_dtype": ("param", "'param'")}
-        for name, (fine, write) in allowed.items():
-            value = getattr(self, name)
-            if value != fine and not (name == "value_dtype" and value == "fp32"):
-                raise ValueError(
-                    f"FlexDeMo: {name}={value!r} cannot be combined with shared_indices=True: the shared index set "
-                    "is summed over replicas in an all-reduce, so values and indices travel as float32 numbers "
-                    f"(float64 for float64 parameters). Set {name}={write}, or shared_indices=False for DeMo's "
-                    "all-gather."
-                )
 
     def acting_settings(self) -> tuple[str, ...]:
         """The names of the settings this configuration reads, in the order a summary lists them.
@@ -630,7 +601,7 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
             keys += ["value_dtype"] if traits.sends and not self.value_bits else []
             keys += ["replicate_every"] if traits.sends else []
         keys += ["ns_dtype"] if orthogonal and self.ns_dtype != "auto" else []
-        flags = ("scale_topk", "overlap", "value_bits", "pack_indices", "shared_indices")
+        flags = ("scale_topk", "overlap", "value_bits", "pack_indices")
         keys += [key for key in flags if getattr(self, key)]
         keys += ["index_coding"] if self.index_coding != "fixed" else []
         if self.rounding != "nearest":

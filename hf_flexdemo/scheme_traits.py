@@ -28,7 +28,7 @@ class SchemeTraits:
     top_k: bool = False
     """Sends each tile's top-k entries: ``topk``, ``chunk``, ``value_bits``, ``pack_indices``, ``index_coding``."""
     dct: bool = False
-    """DeMo's top-k of the momentum's DCT: ``wire`` presets and ``shared_indices``."""
+    """DeMo's top-k of the momentum's DCT: ``wire`` presets."""
     subset: bool = False
     """Sends a scattered subset of the momentum's entries (``rate``): only the sign rule takes it."""
     seeded: bool = False

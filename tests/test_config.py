@@ -38,14 +38,9 @@ BAD = [
     (dict(value_bits=1, rounding="stochastic"), "rounding='stochastic'", "value_bits 2, 4 or 8"),
     (dict(rounding="up"), "rounding='up'", "'nearest', 'stochastic'"),
     (dict(scheme="sparseloco", overlap=True), "overlap=True", "per-step schemes"),
-    (dict(scheme="random", shared_indices=True), "shared_indices=True", "scheme='demo'"),
-    (dict(shared_indices=True, value_bits=1), "value_bits=1", "all-reduce"),
-    (dict(shared_indices=True, value_dtype="bf16"), "value_dtype='bf16'", "float32"),
-    (dict(shared_indices=True, pack_indices=True), "pack_indices=True", "Set pack_indices=False"),
     (dict(index_coding="huffman"), "index_coding='huffman'", "'fixed', 'elias_fano'"),
     (dict(index_coding="elias_fano"), "index_coding='elias_fano'", "set pack_indices=True as well"),
     (dict(scheme="random", index_coding="elias_fano"), "index_coding='elias_fano'", "drop index_coding"),
-    (dict(shared_indices=True, index_coding="elias_fano"), "shared_indices=True (one index set", "drop index_coding"),
     (dict(ns_dtype="fp16"), "ns_dtype='fp16'", "'bf16', 'float32'"),
     (dict(update="sign", ns_dtype="float32"), "ns_dtype='float32'", "update='orthogonal'"),
     (dict(update="sign", ns_dtype="bf16"), "ns_dtype='bf16'", "update='orthogonal'"),
@@ -98,6 +93,7 @@ BAD = [
     (dict(ns_steps=5), "ns_steps was removed", "Muon's five"),
     (dict(elementwise_update="adam"), "elementwise_update was removed", "update='adam' or 'sign'"),
     (dict(decode="selected"), "decode was removed", "17d8727"),
+    (dict(shared_indices=True), "shared_indices was removed", "+9.8% against it"),
     (dict(scheme="lowrank"), "scheme=lowrank was removed", "17d8727"),
     (dict(wire="top144_c128_2bit"), "wire=top144_c128_2bit was removed", "wire=2bit"),
     (dict(wire="top16_2bit"), "wire=top16_2bit was removed", "wire=top24_2bit"),
@@ -210,7 +206,7 @@ def test_a_space_where_a_comma_belongs_is_refused_with_the_text_read_and_the_com
 def test_every_flexdemo_only_setting_is_refused_with_another_optimizer():
     # A key missing here would be dropped silently by --optim adamw_torch --optim_args ...
     assert set(OWN_KEYS) | set(SHARED_KEYS) == set(FlexDeMoConfig.field_names())
-    assert {"decay", "sign", "seed", "topk", "shared_indices", "fault_tolerance"} <= set(OWN_KEYS)
+    assert {"decay", "sign", "seed", "topk", "fault_tolerance"} <= set(OWN_KEYS)
     assert not set(OWN_KEYS) & set(SHARED_KEYS)
 
 
@@ -333,14 +329,18 @@ def test_the_settings_are_few_with_short_help_and_the_common_ones_named_first():
     assert set(COMMON_SETTINGS) | set(ADVANCED_WIRE_SETTINGS) <= set(FlexDeMoConfig.field_names())
 
 
-@pytest.mark.parametrize("text", ["topk_block=2", "derived_topk=8", "factor_rank=1", "ns_steps=5", "decode=mean"])
-def test_a_removed_setting_in_optim_args_says_it_was_removed_why_and_where(text):
+@pytest.mark.parametrize(
+    "text, commit",
+    [(text, "17d8727") for text in ("topk_block=2", "derived_topk=8", "factor_rank=1", "ns_steps=5", "decode=mean")]
+    + [("shared_indices=true", "74cba10")],
+)
+def test_a_removed_setting_in_optim_args_says_it_was_removed_why_and_where(text, commit):
     key = text.partition("=")[0]
     with pytest.raises(ValueError) as err:
         parse_optim_args(f"topk=32,{text}")
     message = str(err.value)
     assert message.startswith(f"FlexDeMo optim_args: {key} was removed: ")
-    assert "The finding: BENCHMARKS.md, 'Findings: options taken out'; the code: commit 17d8727." in message
+    assert f"The finding: BENCHMARKS.md, 'Findings: options taken out'; the code: commit {commit}." in message
     assert f"Instead, drop {key}" in message
 
 

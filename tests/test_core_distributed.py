@@ -12,7 +12,7 @@ from support.launch import TESTS_DIR, read_rank_results, torchrun
 pytestmark = pytest.mark.multiprocess
 
 SYNCING = ("demo", "random", "striding", "full", "diloco", "sparseloco")
-SYNCING += ("demo_1bit_packed", "demo_4bit", "demo_2bit_stochastic", "sparseloco_2bit_packed", "demo_shared")
+SYNCING += ("demo_1bit_packed", "demo_4bit", "demo_2bit_stochastic", "sparseloco_2bit_packed")
 SYNCING += ("demo_2bit_elias_fano", "sparseloco_ortho")
 UPDATE_RULES = ("demo_adam", "full_adam", "demo_ortho_adam")
 SYNCING += UPDATE_RULES
@@ -62,7 +62,7 @@ def test_counters_equal_the_bytes_put_on_the_wire(ranks, scheme):
 def test_one_packed_collective_per_replication_step(ranks):
     for rank in ranks:
         s = rank["schemes"]
-        for scheme in ("demo", "random", "striding", "full", "demo_shared", *UPDATE_RULES):
+        for scheme in ("demo", "random", "striding", "full", *UPDATE_RULES):
             assert [step["collectives"] for step in s[scheme]["per_step"][1:]] == [1] * 19
         for scheme in ("diloco", "sparseloco", "sparseloco_ortho"):
             assert [step["collectives"] for step in s[scheme]["per_step"][1:]] == [
@@ -129,7 +129,7 @@ def test_sharded_replicas_match_the_one_process_reference(ranks, config):
 
 @pytest.mark.parametrize(
     "scheme",
-    ["demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_shared", "demo_adam", "demo_ortho"]
+    ["demo", "random", "diloco", "sparseloco", "demo_overlap", "demo_adam", "demo_ortho"]
     + ["demo_eliasfano", "sparseloco_ortho"],
 )
 def test_checkpoint_restores_every_replicas_own_state(ranks, scheme):

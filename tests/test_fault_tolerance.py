@@ -35,13 +35,13 @@ TINY = (
     "--seed 7 --save_strategy no --optim flexdemo"
 ).split()
 """Weight decay on: under a quorum it waits for the commit and any catch-up (the rules' pass applies it)."""
-ALL_SCHEMES = ("demo", "random", "striding", "full", "diloco", "sparseloco", "demo_shared")
+ALL_SCHEMES = ("demo", "random", "striding", "full", "diloco", "sparseloco")
 UPDATE_RULES = {
     "demo_ortho_adam": dict(update="orthogonal"),
     "demo_adam": dict(update="adam"),
 }
 """Update rules on demo's wire (hf_flexdemo.updates): adam keeps shared state that healing copies."""
-"""Every scheme that exchanges, and demo over a shared index set."""
+"""Every scheme that exchanges."""
 
 
 FT_TIMEOUT_S = 10  # a collective with a lost node fails after this long at most
@@ -375,10 +375,10 @@ def a_finished_job_is_not_started_over(node: Node) -> None:
 
 
 KILLED_MID_EXCHANGE = ("random", "sparseloco")
-"""One scheme for each collective: an all-reduce each step (random; full, striding and demo_shared run the same
+"""One scheme for each collective: an all-reduce each step (random; full and striding run the same
 collective) and an all-gather each inner_steps (sparseloco). The lost-node test kills the other two cadences
 (demo's all-gather each step, diloco's all-reduce each inner_steps) at random moments. What every scheme undoes
-for a step that does not commit is checked in one process, for all seven, by
+for a step that does not commit is checked in one process, for all six, by
 test_a_step_the_node_does_not_commit_leaves_no_trace."""
 
 
@@ -696,8 +696,6 @@ def test_a_step_the_node_does_not_commit_leaves_no_trace(scheme):
         hp.update(scheme="demo", **UPDATE_RULES[scheme])
     if scheme in ("demo", "sparseloco"):
         hp.update(value_bits=2, rounding="stochastic")
-    if scheme == "demo_shared":
-        hp.update(scheme="demo", shared_indices=True)
     hp = _read_by_the_scheme(hp)
     params, twins = _tiny_params(), _tiny_params()
     opt, twin = FlexDeMo(params, **hp), FlexDeMo(twins, **hp)
@@ -747,9 +745,9 @@ def copy_state(opt) -> dict:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("scheme", ["demo", "diloco", "demo_shared", "demo_adam"])
+@pytest.mark.parametrize("scheme", ["demo", "diloco", "demo_adam"])
 def test_a_healing_node_takes_parameters_shared_state_and_the_learning_rate(scheme):
-    hp = dict(scheme=scheme.removesuffix("_shared"), shared_indices=scheme == "demo_shared")
+    hp = dict(scheme=scheme)
     if scheme in UPDATE_RULES:
         hp.update(scheme="demo", **UPDATE_RULES[scheme])
     hp = _read_by_the_scheme(hp | dict(lr=0.05, topk=3, chunk=4, inner_steps=3))
@@ -770,8 +768,6 @@ def test_a_healing_node_takes_parameters_shared_state_and_the_learning_rate(sche
         else:
             assert torch.equal(p.detach(), q.detach())
             assert "momentum_dct" not in node.state[p]  # its own momentum: none yet, zeros at its first step
-        if scheme == "demo_shared":  # the set every replica sends at next
-            assert torch.equal(node.state[p]["shared_index_mask"], peer.state[q]["shared_index_mask"])
         if scheme == "demo_adam":  # the rule's second moment, equal on every replica
             assert peer.state[q]["update_sq"].any() and torch.equal(
                 node.state[p]["update_sq"], peer.state[q]["update_sq"]
@@ -795,7 +791,6 @@ REPLAYED = {
     "demo_elias_fano": dict(scheme="demo", value_bits=2, pack_indices=True, index_coding="elias_fano"),  # wire=2bit
     "demo_ortho_adam": dict(scheme="demo", **UPDATE_RULES["demo_ortho_adam"]),
     "demo_adam": dict(scheme="demo", **UPDATE_RULES["demo_adam"]),
-    "demo_shared": dict(scheme="demo", shared_indices=True),
     "random": dict(scheme="random"),
     "demo_every_2": dict(scheme="demo", replicate_every=2),  # the peer's synchronize() exchanges: replayed too
 }
@@ -854,56 +849,6 @@ def test_a_node_that_missed_steps_replays_their_payloads_and_ends_bitwise_equal(
 ENCODES_FIRST = dict(scheme="demo", value_bits=2)
 """DeMo with deterministic rounding: a node that joins when ready encodes its payload before asking for a quorum
 (stochastic rounding draws by the quorum's step and rank, so it encodes after joining)."""
-
-
-ENCODES_FROM_SHARED = ("demo_shared",)
-"""Replayed schemes whose payload reads state every replica holds alike, which the missed steps change."""
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("join_quorum", ["before_forward", "when_ready"])
-@pytest.mark.parametrize("name", ENCODES_FROM_SHARED)
-def test_a_node_with_steps_to_replay_encodes_its_next_payload_from_the_peers_shared_state(name, join_quorum):
-    """A training step right after a heal: the missed steps are replayed before the payload is made, or the node
-    would send at the wrong index set (the exchange would carry the wrong coefficients)."""
-    peer, node, peer_params, mine = lagging_pair(REPLAYED[name] | {"join_quorum": join_quorum})
-    assert node.scheme.encodes_from_shared_state
-    node.load_replica_state(peer.replica_state())
-    node.managed.step = peer.managed.step
-    keys = node.scheme.shared_keys
-    read = {}
-    encode = node.scheme.local_step
-
-    def spy(bucket, ctx):  # the shared state as the last encoding of each bucket read it
-        read[id(bucket.slots)] = [[slot.state.raw[key].clone() for key in keys] for slot in bucket.slots]
-        return encode(bucket, ctx)
-
-    node.scheme.local_step = spy
-    for p, g in zip(mine, _grads(9, mine)):
-        p.grad = g
-    node.step()
-    assert read
-    peer_state = {id(p): [peer.state[q][key] for key in keys] for p, q in zip(mine, peer_params)}
-    for bucket in node.buckets():
-        for slot, entries in zip(bucket.slots, read[id(bucket.slots)]):
-            theirs = peer_state[id(slot.state.param)]
-            assert all(torch.equal(a, b) for a, b in zip(entries, theirs)), f"{name}: {keys} differ from the peer's"
-
-
-@pytest.mark.unit
-def test_a_node_replays_before_encoding_only_when_all_its_processes_hold_the_same_missed_steps(monkeypatch):
-    """One process whose recovery failed holds no missed steps: the node replays at the commit, as otherwise (that
-    commit fails), not half of it before encoding."""
-    peer, node, _, _ = lagging_pair(REPLAYED["demo_shared"])
-    node.load_replica_state(peer.replica_state())
-    replayed = []
-    monkeypatch.setattr(node.quorum.replica, "catch_up", lambda: replayed.append(True))
-    monkeypatch.setattr(node.quorum, "_node_missed_steps", lambda: (0, 3))  # (fewest, most) over the processes
-    node.quorum.catch_up_before_encoding()
-    assert not replayed and node.quorum.node_missed_steps() == 3
-    monkeypatch.setattr(node.quorum, "_node_missed_steps", lambda: (3, 3))
-    node.quorum.catch_up_before_encoding()
-    assert replayed
 
 
 @pytest.mark.unit

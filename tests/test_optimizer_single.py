@@ -230,11 +230,8 @@ SCALED_SHAPES = [(128, 128), (64, 128), (32, 128)]
 
 @pytest.mark.parametrize(
     "settings, expected",
-    [
-        ({}, {False: 3 * 128 * 6, True: (128 + 64 + 32) * 6}),  # float32 values, 16-bit indices
-        (dict(shared_indices=True), {False: 3 * 128 * 8, True: (128 + 64 + 32) * 8}),  # float32 values and positions
-    ],
-    ids=["demo", "shared_indices"],
+    [({}, {False: 3 * 128 * 6, True: (128 + 64 + 32) * 6})],  # float32 values, 16-bit indices
+    ids=["demo"],
 )
 def test_scale_topk_sends_each_smaller_tile_topks_share_of_a_full_tile(settings, expected):
     """Every tile sends the same share of its coefficients: the bytes of 2 simulated replicas."""
@@ -255,19 +252,6 @@ def test_scale_topk_sends_each_smaller_tile_topks_share_of_a_full_tile(settings,
         opt.step()
         sent[scale] = opt.last_step_stats.bytes_sent
     assert sent == expected
-
-
-def test_a_shared_index_set_resumed_with_another_scale_topk_is_refused_naming_it():
-    """The saved set holds 128 positions in each (64, 128) tile; scaled, this run would send 64."""
-    params = [torch.nn.Parameter(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)))]
-    settings = dict(chunk=128, topk=128, shared_indices=True, elementwise=[])
-    opt = FlexDeMo(params, **settings)
-    params[0].grad = torch.ones(64, 128)
-    opt.step()
-    resumed = FlexDeMo(params, **settings, scale_topk=True)
-    resumed.load_state_dict(opt.state_dict())
-    with pytest.raises(RuntimeError, match=r"holds 128 positions per tile, but this run sends 64 .*scale_topk=True"):
-        resumed.step()
 
 
 @pytest.mark.parametrize("scheme", ["demo", "sparseloco"])
@@ -477,32 +461,3 @@ def test_sparseloco_sends_top_k_and_keeps_the_rest_in_its_error_feedback(value_b
         torch.testing.assert_close(sent + sparse.state[params[i]]["outer_error"], pseudo_gradient, rtol=1e-5, atol=1e-6)
     sent = anchors[3] - params[3].detach()  # (20, 12) in 4x4 tiles: 2 of every 16 entries
     assert 0 < (sent != 0).float().mean() <= 2 / 16
-
-
-def test_shared_indices_send_the_shared_set_and_the_leader_picks_the_next():
-    """One replica (its own leader): the first step sends each tile's first k coefficients whole, moves the
-    parameter by exactly those, and the next set is the top-k of what stayed in the momentum."""
-    hp = dict(lr=0.05, topk=3, chunk=4, decay=0.9, sign=False, shared_indices=True)
-    params = make_params()  # float64: the wire and the checks exact to rounding
-    before = [p.detach().clone() for p in params]
-    opt = FlexDeMo(params, **hp)
-    grads = grads_for(0, params)
-    for p, g in zip(params, grads):
-        p.grad = g
-    opt.step()
-    for i in (3, 4):  # (20, 12) and (5, 3, 3): several tiles each
-        plan = ChunkPlan.for_shape(params[i].shape, hp["chunk"], hp["topk"])
-        whole = to_coefficients(grads[i], plan).mul(hp["lr"]).reshape(-1)
-        sent = torch.zeros_like(whole)
-        first = flat_positions(torch.arange(plan.k).repeat(plan.n_tiles, 1), plan)
-        sent[first] = whole[first]
-        kept = opt.state[params[i]]["momentum_dct"].reshape(-1)
-        torch.testing.assert_close(kept + sent, whole, rtol=0, atol=0)
-        moved = from_coefficients(sent.view(plan.rows, plan.cols), plan).view(params[i].shape) * hp["lr"]
-        torch.testing.assert_close(before[i] - params[i].detach(), moved, rtol=1e-9, atol=1e-14)
-        mask = opt.state[params[i]]["shared_index_mask"].view(plan.rows, plan.cols)
-        following = tiles(mask, plan).nonzero()[:, 1].view(plan.n_tiles, plan.k)
-        expected = select_topk(kept.view(plan.rows, plan.cols), plan)[0].sort(dim=1).values
-        assert torch.equal(following, expected)
-        if plan.k < plan.tile_size:  # (5, 3, 3) has 1x3 tiles: all of each is sent every step
-            assert not torch.equal(following, torch.arange(plan.k).repeat(plan.n_tiles, 1))

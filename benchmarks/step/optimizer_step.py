@@ -44,7 +44,6 @@ CONFIGS = {  # the figures in BENCHMARKS.md took sign steps (the default then): 
     "flexdemo demo 4-bit + packed": dict(scheme="demo", value_bits=4, pack_indices=True, update="sign"),
     "flexdemo demo 1-bit + packed": dict(scheme="demo", value_bits=1, pack_indices=True, update="sign"),
     "flexdemo demo top-4 1-bit + packed": dict(scheme="demo", topk=4, value_bits=1, pack_indices=True, update="sign"),
-    "flexdemo demo shared indices": dict(scheme="demo", shared_indices=True, update="sign"),
     "flexdemo random": dict(scheme="random", update="sign"),
     "flexdemo striding": dict(scheme="striding", update="sign"),
     "flexdemo diloco (H=--steps)": dict(scheme="diloco"),

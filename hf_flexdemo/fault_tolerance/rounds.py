@@ -58,33 +58,6 @@ class QuorumRounds:
         """Training steps this node missed and has not replayed yet."""
         return self.replica.steps_to_replay()
 
-    def catch_up_before_encoding(self) -> None:
-        """Replay the missed steps now, before this step's payload is made from state they change (a scheme whose
-        payload reads its shared state: ``ReplicationScheme.encodes_from_shared_state``). They were committed by
-        the peers, so a vote that fails later undoes this step only, as on every other node. Every process of the
-        node calls this: they replay only if all hold the same missed steps (one whose recovery failed fails this
-        step's commit, and the replay waits for a commit, as for the other schemes)."""
-        if self.managed is None:
-            return
-        fewest, most = self._node_missed_steps()
-        if most and fewest == most:
-            with self.managed.clock.timing("catch_up"):
-                self.replica.catch_up()
-
-    def node_missed_steps(self) -> int:
-        """The most rounds any process of this node missed and has not replayed (0 without torchft). Every process of
-        the node calls it alike."""
-        return 0 if self.managed is None else self._node_missed_steps()[1]
-
-    def _node_missed_steps(self) -> tuple[int, int]:
-        """The fewest and the most missed rounds over the node's processes (an all-reduce among them)."""
-        missed = self.steps_missed()
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return missed, missed
-        counts = torch.tensor([-missed, missed], device=self.managed.device)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        return -int(counts[0]), int(counts[1])
-
     def steps_missed(self) -> int:
         """Rounds this node missed and has not replayed yet (training steps or not)."""
         return len(self.replica.missed or ())

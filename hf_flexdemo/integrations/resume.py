@@ -105,7 +105,7 @@ def saved_optim_args(checkpoint: Path) -> str | None:
 
 NAMES_A_WIRE = ("wire", *WIRE_CHOICES)
 """Settings that name a run's wire: one given, neither the default nor a checkpoint's wire is taken."""
-WIRE_DECIDERS = ("scheme", "shared_indices", *NAMES_A_WIRE)
+WIRE_DECIDERS = ("scheme", *NAMES_A_WIRE)
 """The settings that decide a run's wire: its checkpoint's are read alone, so that a setting of another machine
 (``kernels=triton`` saved on a GPU node) does not stop a resume on this one."""
 

@@ -61,16 +61,14 @@ def triton_missing(device: torch.device | None = None) -> str | None:
     return f"the parameters are on {device.type!r}; the kernels run on CUDA devices (or the CPU, interpreted)"
 
 
-def check_settings(*, scheme: str, shared_indices: bool, chunk: int) -> None:
+def check_settings(*, scheme: str, chunk: int) -> None:
     """Refuse ``kernels='triton'`` where it cannot run or would run nothing (ValueError naming the setting)."""
     fix = "write kernels='torch' (the default)"
-    fused = traits_of(scheme).fused_kernels
-    if not fused or shared_indices:
-        which = "shared_indices=True" if fused else f"scheme={scheme!r}"
+    if not traits_of(scheme).fused_kernels:
         names = " or ".join(repr(name) for name in schemes_where("fused_kernels"))
         raise ValueError(
-            f"FlexDeMo: kernels='triton' fuses the passes of scheme={names} (without shared_indices), so with "
-            f"{which} it would be ignored; {fix}, or scheme={names} without shared_indices."
+            f"FlexDeMo: kernels='triton' fuses the passes of scheme={names}, so with scheme={scheme!r} it would be "
+            f"ignored; {fix}, or scheme={names}."
         )
     check_chunk(chunk)
     why = triton_missing()

@@ -294,8 +294,6 @@ class FlexDeMo(torch.optim.Optimizer):
             if self._simulated is not None:  # before anything moves: a refused step changes nothing
                 self._simulated.check([slot.state.param for bucket in buckets for slot in bucket.slots])
             self.flush()  # overlap: the previous step's update lands before this step's local maths
-            if self.scheme.encodes_from_shared_state:  # the payload reads state the missed steps change
-                self.quorum.catch_up_before_encoding()
             self._count_step(buckets)
         if sync_only and not joined.in_quorum and not self.needs_sync():
             return False
@@ -330,9 +328,7 @@ class FlexDeMo(torch.optim.Optimizer):
             self.forget_step_count()
             return False
         ctx = self._context(self._this_step(), sync_only=False, topology=self.topology)
-        # Encoded before a replay that changes what it read (decided node-wide: its processes run the same path).
-        stale = self.scheme.encodes_from_shared_state and self.quorum.node_missed_steps()
-        if joined.drop_gradient or ctx.replicate != encoded.ctx.replicate or stale:
+        if joined.drop_gradient or ctx.replicate != encoded.ctx.replicate:
             if not joined.drop_gradient:  # (a heal that copied a peer's state replaced the encoding with the rest)
                 undo_local_step(encoded.undo)
             self.forget_step_count()  # the step counts went back, or are the peer's

@@ -6,7 +6,6 @@ from ..config import FlexDeMoConfig
 from ..scheme_traits import scheme_class, scheme_names
 from .base import Collective, Decoded, ParamSlot, ReplicationScheme, StepContext
 from .demo import DeMoScheme, check_saved_tiles
-from .demo_shared import SharedIndexDeMoScheme
 from .dense import FullScheme, NoneScheme
 from .diloco import DiLoCoScheme
 from .sparseloco import SparseLoCoScheme
@@ -17,8 +16,6 @@ SCHEME_CLASSES: dict[str, type[ReplicationScheme]] = {name: scheme_class(name) f
 
 
 def build_scheme(config: FlexDeMoConfig) -> ReplicationScheme:
-    if config.shared_indices:  # demo only (checked by the config)
-        return SharedIndexDeMoScheme(config)
     return scheme_class(config.scheme)(config)
 
 
@@ -33,7 +30,6 @@ __all__ = [
     "ParamSlot",
     "RandomScheme",
     "ReplicationScheme",
-    "SharedIndexDeMoScheme",
     "SparseLoCoScheme",
     "StepContext",
     "StridingScheme",

@@ -114,18 +114,12 @@ class ReplicationScheme(ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:  # a scheme users name (the variants of one, like shared_indices, are not)
+        if "name" in cls.__dict__:  # a scheme users name (a base class does not)
             assert "traits" in cls.__dict__, f"{cls.__name__} names scheme {cls.name!r} without its own traits"
             register(cls)
 
     def __init__(self, config: FlexDeMoConfig):
         self.config = config
-
-    @property
-    def encodes_from_shared_state(self) -> bool:
-        """Whether ``local_step`` reads state every replica holds alike (``shared_indices``' index set): a node with
-        missed steps to replay replays them before it encodes."""
-        return bool(self.shared_keys) and self.traits.replayable
 
     def is_replication_step(self, step: int, forced: bool = False) -> bool:
         """Whether step ``step`` (1-based) exchanges data; ``forced`` asks for a sync now."""

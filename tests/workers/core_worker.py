@@ -43,7 +43,6 @@ VARIANTS = {  # wire formats of the top-k schemes, run like the schemes
     "demo_2bit_stochastic": dict(scheme="demo", value_bits=2, rounding="stochastic"),
     "sparseloco_2bit_packed": dict(scheme="sparseloco", value_bits=2, pack_indices=True, index_coding="elias_fano"),
     "demo_2bit_elias_fano": dict(scheme="demo", topk=16, value_bits=2, pack_indices=True, index_coding="elias_fano"),
-    "demo_shared": dict(scheme="demo", shared_indices=True),
     # Update rules (hf_flexdemo.updates): the same wire, another step.
     "demo_adam": dict(scheme="demo", update="adam"),
     "full_adam": dict(scheme="full", update="adam"),
@@ -209,23 +208,15 @@ def spatial_momentum(opt, p, hp) -> torch.Tensor:
     return from_coefficients(StateStore.local(opt.state[p]["momentum_dct"], local), plan).view(local.shape)
 
 
-def shared_index_state(opt, p) -> torch.Tensor:
-    """What picks the next positions on every replica alike: the shared index set."""
-    state = opt.state[p]
-    kept = state.get("shared_index_mask")
-    kept = torch.zeros(0) if kept is None else kept
-    return local_tensor(kept).clone()
-
-
 def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
     """DCP save/load restores each replica's own state; a resumed run continues the same curve."""
     out = {}
-    names = ("demo", "random", "diloco", "sparseloco", "sparseloco_ortho", "demo_overlap", "demo_shared", "demo_adam")
+    names = ("demo", "random", "diloco", "sparseloco", "sparseloco_ortho", "demo_overlap", "demo_adam")
     names += ("demo_ortho",)
     for name in (*names, "demo_eliasfano"):
         scheme, _, variant = name.partition("_")
         hp = small(scheme=scheme, lr=1e-2, inner_steps=4)
-        hp.update(overlap=variant == "overlap", shared_indices=variant == "shared")
+        hp.update(overlap=variant == "overlap")
         if variant == "eliasfano":  # wire=2bit's wire format
             hp.update(value_bits=2, pack_indices=True, index_coding="elias_fano")
         outer = scheme in ("diloco", "sparseloco")  # AdamW inside unless 'ortho' (an explicit 'sign' is refused)
@@ -242,7 +233,6 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
         params = list(model.parameters())
         saved = [StateStore.local(opt.state[p][key], local_tensor(p)).clone() for p in params]
         saved_total = opt.total_stats.bytes_sent
-        index_sets = [shared_index_state(opt, p) for p in params]
         rule_state = [local_tensor(opt.state[p].get("update_sq", torch.zeros(0))).clone() for p in params]
         state_prints = replica_fingerprints(saved, opt.topology)
         train(model, opt, coords, 4, first_step=6)
@@ -257,7 +247,6 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
         params2 = list(model2.parameters())
         loaded = [StateStore.local(opt2.state[p][key], local_tensor(p)).clone() for p in params2]
         restored_total = opt2.total_stats.bytes_sent
-        index_sets2 = [shared_index_state(opt2, p) for p in params2]
         rule_state2 = [local_tensor(opt2.state[p].get("update_sq", torch.zeros(0))).clone() for p in params2]
         train(model2, opt2, coords, 4, first_step=6)
         out[name] = {
@@ -265,7 +254,6 @@ def check_checkpoint(mesh, coords, ckpt_root: Path) -> dict:
             "state_restored_exactly": all(torch.equal(a, b) for a, b in zip(saved, loaded)),
             "state_dtype_kept": all(b.dtype == momentum_dtype(p) for b, p in zip(loaded, params2)),
             "counters_restored": restored_total == saved_total,
-            "index_sets_restored": all(torch.equal(a, b) for a, b in zip(index_sets, index_sets2)),
             "rule_state_restored": all(torch.equal(a, b) for a, b in zip(rule_state, rule_state2))
             and (variant != "adam" or any(bool(a.any()) for a in rule_state)),
             "step_restored": int(opt2.state[params2[0]]["step"]) == 10,
