@@ -69,7 +69,7 @@ def test_fine_tuning_runs_start_from_the_study_base_model(tmp_path, monkeypatch)
     script, args, _ = launched[-1]
     assert script == "train_olmo2.py"
     assert args[args.index("--model_name_or_path") + 1] == str(base) and "--no_from_config" in args
-    assert args[args.index("--optim_args") + 1] == "update=adam"
+    assert args[args.index("--optim_args") + 1] == "wire=demo,update=adam"
 
 
 def test_time_to_the_baselines_final_loss_counts_the_modelled_time_of_the_first_evaluation_there():
@@ -198,7 +198,8 @@ def test_a_study_cut_short_by_its_time_budget_resumes_where_it_stopped(tmp_path,
     args.time_budget = 1000
     assert quality_study.study(args)  # resumed: nothing twice, every sweep before any further seed
     assert calls[3:] == [
-        ("demo_ortho_adam", 2e-3, 0), ("demo_ortho_adam", 4e-3, 0), ("adamw_hsdp", 1e-3, 1), ("demo_ortho_adam", 2e-3, 1)
+        ("demo_ortho_adam", 2e-3, 0), ("demo_ortho_adam", 4e-3, 0),
+        ("adamw_hsdp", 1e-3, 1), ("demo_ortho_adam", 2e-3, 1),
     ]  # fmt: skip
 
 
@@ -337,7 +338,6 @@ def test_a_long_run_that_diverges_is_recorded_at_its_rate_and_the_sweep_goes_on(
     import json
 
     import long_run
-    import quality_study
 
     def fake_launch(script, args, out, one_process=False):
         lr = float(args[args.index("--learning_rate") + 1])
@@ -348,8 +348,8 @@ def test_a_long_run_that_diverges_is_recorded_at_its_rate_and_the_sweep_goes_on(
         out.mkdir(parents=True)
         (out / "trainer_state.json").write_text(json.dumps({"log_history": history}))
 
-    monkeypatch.setattr(quality_study, "launch", fake_launch)
-    monkeypatch.setattr(quality_study, "parameter_count", lambda out: 1000)
+    monkeypatch.setattr(long_run, "launch", fake_launch)
+    monkeypatch.setattr(long_run, "parameter_count", lambda out: 1000)
     corpus = {"offline_text": "python_source", "sha1": "aa"}
     preset = long_run.LongPreset(steps=100)
     assert long_run.study(long_args(tmp_path, configs=("wire_2bit",)), preset, fingerprint=lambda text: corpus)
@@ -402,7 +402,7 @@ def test_the_long_reports_gaps_grow_or_shrink_along_the_run_and_the_time_to_adam
 
     from long_report import gaps, loss_at, report, summary, time_to_adamw
     from long_run import StudyDir, manifest
-    from time_to_loss import RATES, step_seconds
+    from olmo2_1b_step import RATES, step_seconds
 
     baseline = [(100, 6.0), (200, 5.0), (400, 4.0)]
     curve = [(100, 6.6), (200, 5.25), (400, 4.0)]  # 10% behind early, level at the end

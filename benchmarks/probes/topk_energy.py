@@ -21,7 +21,8 @@ tensor is the reference for "no structure". The shadows see the Muon run's gradi
 SparseLoCo would take. Printed (and with ``--json`` written) as the share of the squared sum the top-k holds when it
 is picked, summed over the matrices and the picks::
 
-    .venv/bin/python benchmarks/probes/topk_energy.py --base benchmarks/results/quality/quality_olmo2_ft_issue45/base \
+    .venv/bin/python benchmarks/probes/topk_energy.py \
+        --base benchmarks/results/quality/quality_olmo2_ft_beyond_300x/base \
         --json benchmarks/results/probes/topk_energy_top32.json
 """
 

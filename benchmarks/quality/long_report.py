@@ -1,4 +1,4 @@
-"""The long-run study's report (issue 64; ``benchmarks/quality/long_run.py`` runs it): README.md and a PNG per
+"""The long-run study's report (issue 64; ``benchmarks/quality/long_study.py`` runs it): README.md and a PNG per
 configuration in the study directory, from its ``runs.json``."""
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from long_run import (
     LONG_CONFIGS,
     LONG_PRESETS,
     NODES,
+    LongPreset,
     StudyDir,
     bracket,
     done,
     winner,
 )
+from olmo2_1b_step import RATES, step_seconds
 
 
 def label(config: str) -> str:
@@ -107,9 +109,7 @@ def one_b_bytes(config: str, row: dict, wire_bytes: dict) -> float:
 
 def time_to_adamw(table: dict, wire_bytes: dict) -> dict[str, dict[str, float | None]]:
     """Per configuration and link: the modelled time to AdamW-HSDP's final mean loss, as a share of AdamW-HSDP's
-    whole run (time_to_loss.py's model of OLMo2-1B on 2 nodes of 8 H100s; the steps are these curves')."""
-    from time_to_loss import RATES, step_seconds
-
+    whole run (olmo2_1b_step.py's model of OLMo2-1B on 2 nodes of 8 H100s; the steps are these curves')."""
     adamw = table["adamw_hsdp"]
     total, target = adamw["curve"][-1]
     result = {}
@@ -217,9 +217,7 @@ def report(out: Path, wire_bytes_path: Path) -> str:
         vs = [f"{row['loss_mean'] / ready[b]['loss_mean'] - 1:+.2%}" if b in ready else "-" for b in BASELINES]
         edge = ", at the edge" if row["at_edge"] else ""
         complete = all(done(rows, config, lr, 0) for lr in bracket(config))
-        moved = (
-            "" if row["lr"] == long_run.centre(config) else " (moved)" if complete else " (bracket incomplete)"
-        )
+        moved = "" if row["lr"] == long_run.centre(config) else " (moved)" if complete else " (bracket incomplete)"
         lines.append(
             f"| {config} | {swept} | {row['lr']:g}{edge} | {long_run.centre(config):g}{moved} "
             f"| {len(row['runs'])} | {row['loss_mean']:.4f} +- {row['spread']:.4f} | {vs[0]} | {vs[1]} |"
@@ -250,7 +248,7 @@ def report(out: Path, wire_bytes_path: Path) -> str:
         lines += [
             "",
             "Time to AdamW-HSDP's final loss, as a share of AdamW-HSDP's run: these curves' tokens, each step modelled "
-            "as OLMo2-1B's on 2 nodes of 8 H100s (`time_to_loss.py`: measured compute plus the bytes a node sends "
+            "as OLMo2-1B's on 2 nodes of 8 H100s (`olmo2_1b_step.py`: measured compute plus the bytes a node sends "
             "at the link's rate; the bytes through the real wire on OLMo2-1B's shapes). Measured here: the median "
             "s/step of the training steps alone in this configuration's runs, on this machine's 2 cores, which "
             "some runs shared with a second study process: a figure of this machine, not a benchmark.",

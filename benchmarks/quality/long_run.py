@@ -25,16 +25,16 @@ winner. One command per stage::
     # and no run starts that the budget would not see finish; the same command resumes
     nice -n 10 .venv/bin/python benchmarks/quality/quality_study.py --stage long --time_budget 7200
     # the report: README.md and a PNG per configuration in the study directory
-    .venv/bin/python benchmarks/quality/quality_study.py --stage long --report benchmarks/results/quality/olmo2_long_263k
+    .venv/bin/python benchmarks/quality/quality_study.py --stage long \\
+        --report benchmarks/results/quality/olmo2_long_263k
 
 (``--long_preset olmo2_long`` for the 1.6M model; its study directory is ``benchmarks/results/quality/olmo2_long``.
-``benchmarks/quality/long_run.py`` takes the same flags; its dry run imports neither torch nor transformers. The
-report is ``long_report.py``.)
+``benchmarks/quality/long_study.py`` takes the same flags; its dry run imports neither torch nor transformers. This
+module holds the study's presets, configurations, plan and runs; the report is ``long_report.py``.)
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import fcntl
 import hashlib
@@ -45,6 +45,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from stock_scripts import DATA_CACHE, device_name, launch, parameter_count
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "quality"
@@ -148,6 +150,7 @@ class LongConfig:
 
 
 ORTHO = "update=orthogonal"  # the default rule (Muon on the matrices, Adam's elementwise step on the rest)
+EF = "pack_indices=true,index_coding=elias_fano"  # the indices as the presets code them
 LONG_CONFIGS = {
     "adamw_hsdp": LongConfig("adamw_torch", "", SIMULATED, 4e-3, ("dense", 1)),
     "full": LongConfig("flexdemo", f"scheme=full,{ORTHO}", SIMULATED, 4e-3, ("dense", 1)),
@@ -176,6 +179,13 @@ LONG_CONFIGS = {
         ("top64_1bit", 1),
     ),
     "wire_2bit": LongConfig("flexdemo", f"wire=2bit,{ORTHO}", SIMULATED, 8e-3, ("2bit", 1)),
+    # the screen of issue 70's candidates: more coefficients at fewer bits, at 40x to 800x
+    "wire_top128_1bit": LongConfig("flexdemo", f"{EF},topk=128,value_bits=1,{ORTHO}", SIMULATED, 8e-3, ("top128_1bit", 1)),
+    "wire_top96_2bit": LongConfig("flexdemo", f"wire=top96_2bit,{ORTHO}", SIMULATED, 8e-3, ("top96_2bit", 1)),
+    "wire_top64_8bit": LongConfig("flexdemo", f"{EF},topk=64,value_bits=8,{ORTHO}", SIMULATED, 8e-3, ("top64_8bit", 1)),
+    "wire_top24_2bit": LongConfig("flexdemo", f"wire=top24_2bit,{ORTHO}", SIMULATED, 8e-3, ("top24_2bit", 1)),
+    "wire_top32_1bit": LongConfig("flexdemo", f"{EF},topk=32,value_bits=1,{ORTHO}", SIMULATED, 8e-3, ("top32_1bit", 1)),
+    "wire_top4_1bit": LongConfig("flexdemo", f"wire=top4_1bit,{ORTHO}", SIMULATED, 8e-3, ("top4_1bit", 1)),
     # about 1,000x: wire=2bit's coefficients every 4 steps, Muon's step inside; replicas apart between outer steps
     "sparseloco_h4_2bit": LongConfig(
         "flexdemo",
@@ -185,7 +195,7 @@ LONG_CONFIGS = {
         ("2bit", 4),
     ),
 }
-"""``short_best``: benchmarks/results/quality/quality_olmo2 (SparseLoCo: quality_olmo2_issue45)."""
+"""``short_best``: benchmarks/results/quality/quality_olmo2 (SparseLoCo: quality_olmo2_beyond_300x)."""
 DEFAULT_CONFIG = "wire_top128_4bit"
 """The package default's configuration (its knobs are ``DEFAULT_WIRE``'s, spelled out so that its rows keep their
 meaning when the default moves); reports name it ``default``."""
@@ -245,7 +255,8 @@ def winner(rows: list[dict], config: str) -> dict | None:
 
 
 CURRENT_PRESET = DEFAULT_PRESET
-"""The preset whose centres :func:`bracket` uses; :func:`main` sets it from ``--long_preset``."""
+"""The preset whose centres :func:`bracket` uses; ``long_study.main`` sets it from ``--long_preset``, the report
+from the study directory's preset."""
 
 
 def centre(config: str) -> float:
@@ -294,11 +305,11 @@ def edge_pending(rows: list[dict], config: str) -> bool:
     return any(done(rows, config, lr, 0) is None for lr in edge_rates(rows, config))
 
 
-def estimate_s(rows: list[dict], config: str, preset: "LongPreset", seed: int | None = None) -> float:
+def estimate_s(rows: list[dict], config: str, preset: LongPreset, seed: int | None = None) -> float:
     """Seconds a run of ``config`` will take: the training loop of its own slowest finished run, else of the study's
-    slowest scaled by the rules' cost, else the preset's pilot (:data:`PILOTS`), each scaled from its steps to ``steps`` (the
-    evaluations stay 20); plus the least start-up of any run, and for a seed no run has used, its text's
-    tokenizing (:data:`PREPARE_S`)."""
+    slowest scaled by the rules' cost, else the preset's pilot (:data:`PILOTS`), each scaled from its steps to
+    ``steps`` (the evaluations stay 20); plus the least start-up of any run, and for a seed no run has used, its
+    text's tokenizing (:data:`PREPARE_S`)."""
     optim, steps, prior = LONG_CONFIGS[config].optim, preset.steps, PILOTS[preset.name]
 
     def scaled(row: dict) -> float:
@@ -419,8 +430,6 @@ def parse_history(history: list[dict], preset: LongPreset) -> dict:
 
 def run_args(preset: LongPreset, config: str, lr: float, seed: int) -> tuple[list[str], bool]:
     """The stock script's flags for one run, and whether it runs in one process (replicas simulated)."""
-    from quality_study import DATA_CACHE
-
     spec = LONG_CONFIGS[config]
     args = [*preset.flags(), "--seed", str(seed), "--learning_rate", str(lr), "--optim", spec.optim]
     args += ["--data_cache", str(DATA_CACHE)] if preset.script == "train_olmo2.py" else []
@@ -439,8 +448,6 @@ def run_args(preset: LongPreset, config: str, lr: float, seed: int) -> tuple[lis
 
 def run_one(preset: LongPreset, config: str, lr: float, seed: int, work: Path) -> dict:
     """One run through the stock script; its row for ``runs.json``."""
-    from quality_study import DATA_CACHE, device_name, launch, parameter_count
-
     args, one_process = run_args(preset, config, lr, seed)
     out = work / f"{preset.name}_{config}_lr{lr:g}_s{seed}"
     cached = set(DATA_CACHE.glob("*/ready"))
@@ -539,47 +546,3 @@ def dry_run(args, preset: LongPreset) -> list[str]:
     )  # fmt: skip
     print("\n".join(lines))
     return lines
-
-
-# --------------------------------------------------------------------------------------------------------- commands
-
-
-def main(args) -> None:
-    """``--stage long``: ``args.out`` (None: the study directory), ``steps`` (None: the preset's), ``long_configs``,
-    ``dry_run``, ``report`` (a study directory), ``time_budget``."""
-    global CURRENT_PRESET
-    CURRENT_PRESET = args.long_preset or DEFAULT_PRESET
-    chosen = LONG_PRESETS[CURRENT_PRESET]
-    preset = dataclasses.replace(chosen, steps=args.steps or chosen.steps)
-    args.out = args.out or RESULTS / preset.name
-    args.configs = tuple(c for c in LONG_CONFIGS if c in (args.long_configs or LONG_CONFIGS))
-    import long_report
-
-    wire_bytes = ROOT / "benchmarks" / "results" / "quality" / "wire_presets.json"
-    if args.dry_run:
-        dry_run(args, preset)
-    elif args.report:
-        print(long_report.report(args.report, wire_bytes))
-    elif study(args, preset):
-        print(long_report.report(args.out, wire_bytes))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--long_configs", nargs="+", choices=list(LONG_CONFIGS), help="--stage long: a subset")
-    parser.add_argument(
-        "--long_preset",
-        choices=list(LONG_PRESETS),
-        help=f"--stage long: the model and schedule (default {DEFAULT_PRESET})",
-    )
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    cli = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(cli)
-    cli.add_argument("--out", type=Path, help="the study directory (default benchmarks/results/quality/<preset>)")
-    cli.add_argument("--steps", type=int, help="the long preset's steps (default: the preset's)")
-    cli.add_argument("--dry_run", action="store_true", help="the plan and its estimate, nothing run")
-    cli.add_argument("--report", type=Path, help="only write README.md and the PNGs of this study directory")
-    cli.add_argument("--time_budget", type=float, default=0, help="seconds: start no run that would end after it")
-    main(cli.parse_args())

@@ -39,7 +39,8 @@ length; ``benchmarks/quality/long_run.py``)::
 
     .venv/bin/python benchmarks/quality/quality_study.py --stage long --dry_run  # the plan and its hours
     nice -n 10 .venv/bin/python benchmarks/quality/quality_study.py --stage long --time_budget 7200
-    .venv/bin/python benchmarks/quality/quality_study.py --stage long --report benchmarks/results/quality/olmo2_long_263k
+    .venv/bin/python benchmarks/quality/quality_study.py --stage long \\
+        --report benchmarks/results/quality/olmo2_long_263k
 
 Writes ``<out>/runs.json`` (every run, resumable: finished runs are not repeated), and with
 ``--report`` the markdown table and ``loss_vs_steps.png``, ``loss_vs_time_100mbit.png``,
@@ -51,27 +52,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import long_run
+import long_study
+from stock_scripts import DATA_CACHE, device_name, launch, parameter_count
 
 from hf_flexdemo.config import WIRE_PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "accelerate_configs" / "cpu_2x2.yaml"
 RATES = {"100mbit": 100e6, "1gbit": 1e9}
 
 # name: (--optim, --optim_args). The sign-update configurations name `update=sign`: they measure that
 # rule whatever the default is.
 SIGN_CONFIGS = {
-    "demo": "",
+    "demo": "wire=demo",  # DeMo's wire, the package default when these ran (the default is now top128_4bit)
     "demo_bf16": "value_dtype=bf16",
     "demo_sign": "value_bits=1,pack_indices=true",
     "demo_4bit": "value_bits=4,pack_indices=true",
@@ -82,7 +80,6 @@ SIGN_CONFIGS = {
     # Twice demo's coefficients at 2 bits: about bf16's bytes, spent on more of the momentum.
     "demo_top64_2bit": "topk=64,value_bits=2,pack_indices=true",
     "demo_aggressive": "topk=4,chunk=64,value_bits=1,pack_indices=true",
-    "demo_shared": "shared_indices=true",
     # Every momentum entry, all-reduced: the sign-of-momentum update with no compression at all.
     "full": "scheme=full",
     "random": "scheme=random",
@@ -232,14 +229,8 @@ WIRE_PROBES = {
 }
 """Issue 35: more of each tile's coefficients on the wire (DeMo sends 32 of 4,096): how the default rule's loss
 moves between DeMo's wire and the uncompressed one, and at equal bytes, more coefficients at fewer bits."""
-CONFIGS |= {
-    f"{wire}_ortho_adam": ("flexdemo", f"{args},update=orthogonal")
-    for wire, args in WIRE_PROBES.items()
-}
-CONFIGS |= {
-    f"wire_{preset}_ortho_adam": ("flexdemo", f"wire={preset},update=orthogonal")
-    for preset in WIRE_PRESETS
-}
+CONFIGS |= {f"{wire}_ortho_adam": ("flexdemo", f"{args},update=orthogonal") for wire, args in WIRE_PROBES.items()}
+CONFIGS |= {f"wire_{preset}_ortho_adam": ("flexdemo", f"wire={preset},update=orthogonal") for preset in WIRE_PRESETS}
 CONFIGS |= {  # presets taken out of the package (commit 17d8727): their knobs, spelled out
     "wire_top128_4bit_ortho_adam": ("flexdemo", f"{WIRE_PROBES['demo_top128_4bit_ef']},update=orthogonal"),
     "wire_top144_c128_2bit_ortho_adam": (
@@ -278,10 +269,8 @@ CONFIGS |= {
 # few tenths of a percent of each other at either rate), DiLoCo and SparseLoCo get their own.
 SIGN_UPDATE = (4e-3, 8e-3)
 AT_DEMOS_T5_RATE = ("demo_bf16", "demo_sign", "demo_4bit", "demo_2bit", "demo_top16_2bit", "demo_top24_2bit")
-AT_DEMOS_T5_RATE += ("demo_top64_2bit", "demo_aggressive", "demo_shared", "full", "random", "striding")
-UPDATE_RULE_CONFIGS = tuple(
-    name for name in CONFIGS if name.endswith("_adam") or "_decay" in name
-)
+AT_DEMOS_T5_RATE += ("demo_top64_2bit", "demo_aggressive", "full", "random", "striding")
+UPDATE_RULE_CONFIGS = tuple(name for name in CONFIGS if name.endswith("_adam") or "_decay" in name)
 UPDATE_RULE_RATES = (4e-3, 8e-3, 1.6e-2)
 """The rules take steps of about a sign step's size per entry: swept around sign's best (OLMo2's 8e-3),
 extended downwards where the best sat at the bottom."""
@@ -300,7 +289,7 @@ SWEEPS = {
         **dict.fromkeys(("demo", "demo_sign", "demo_2bit", "demo_top16_2bit", "demo_aggressive"), SIGN_UPDATE),
         **dict.fromkeys(("demo_top64_2bit", "demo_top24_2bit"), SIGN_UPDATE),  # not run on OLMo2
         # Run last: they took demo's best without a sweep.
-        **dict.fromkeys(("demo_bf16", "demo_4bit", "demo_shared", "full", "random", "striding"), (8e-3,)),
+        **dict.fromkeys(("demo_bf16", "demo_4bit", "full", "random", "striding"), (8e-3,)),
         "diloco": (1e-3, 1.5e-3),
         "sparseloco": (2e-3, 4e-3),
         "sparseloco_h3_2bit": (4e-3, 8e-3, 1.6e-2, 3.2e-2),  # each best at the top of the ones before
@@ -415,8 +404,6 @@ AT_SCALE = ("olmo2_10x", "olmo2_125m", "olmo2_10x_nodes")
 """The presets whose tokenized text is cached in ``DATA_CACHE`` (pretraining from a config)."""
 SCALE_CONFIGS = ("adamw_hsdp", "demo_ortho_adam", "wire_2bit_ortho_adam", "wire_top128_4bit_ortho_adam")
 """AdamW-HSDP, the default (DeMo's wire and the default rule), and the two compressed presets the README leads with."""
-DATA_CACHE = ROOT / "benchmarks" / "results" / "quality" / "data_cache"
-"""The presets at scale keep their tokenizer and tokenized text here (train_olmo2.py --data_cache; not in git)."""
 DRY_RUN = ["--hidden_size", "64", "--num_layers", "2", "--vocab_size", "1024", "--block_size", "64"]
 DRY_RUN += ["--max_train_samples", "256", "--max_eval_samples", "16"]
 """``--dry_run``: every configuration a few steps on a model this small, to find a broken pipeline in seconds."""
@@ -431,27 +418,6 @@ BASE_MODELS = {
 """Each fine-tuning preset's base: AdamW-HSDP on the standard library's docstrings (its best pretraining rate on
 OLMo2 at that size)."""
 BASE_MODELS["olmo2_ft_10x_nodes"] = BASE_MODELS["olmo2_ft_10x"]
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now: a study beside other jobs must not take their rendezvous port."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(script: str, args: list[str], out: Path, one_process: bool = False) -> None:
-    """A user's command: ``accelerate launch`` on 2 nodes x 2 processes, or (``one_process``) the script alone."""
-    if one_process:  # every core to the one process, unless OMP_NUM_THREADS says otherwise (a shared machine)
-        cmd, threads = [sys.executable], os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
-    else:
-        cmd, threads = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG)], "1"
-        cmd += ["--main_process_port", str(free_port())]
-    cmd += [str(ROOT / "training_scripts" / script), "--preset", "offline", "--output_dir", str(out), *args]
-    env = dict(os.environ, OMP_NUM_THREADS=threads, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{out.name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
 
 
 def base_model(study_dir: Path, model: str = "olmo2_ft") -> Path:
@@ -533,20 +499,6 @@ def run(
     if replicas:
         result |= {"replicas": replicas, "parameters": parameter_count(out), "device": device_name()}
     return result
-
-
-def parameter_count(out: Path) -> int:
-    """The saved model's parameters (tied weights once), read from its safetensors header."""
-    from safetensors import safe_open
-
-    with safe_open(str(out / "model.safetensors"), "pt") as weights:
-        return sum(math.prod(weights.get_slice(key).get_shape()) for key in weights.keys())
-
-
-def device_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
 
 
 def steady_bytes(history: list[dict]) -> dict:
@@ -668,8 +620,11 @@ def wire_bytes(args) -> None:
             measured[name] = {key: timed[key] for key in ("bytes_per_step", "dense_bytes_per_step")}
             path.write_text(json.dumps(measured, indent=1))
             row = measured[name]
-            print(f"{args.model} {name}: {row['bytes_per_step']:,.0f} bytes per step, "
-                  f"{row['dense_bytes_per_step'] / row['bytes_per_step']:.0f}x fewer than dense", flush=True)  # fmt: skip
+            fewer = row["dense_bytes_per_step"] / row["bytes_per_step"]
+            print(
+                f"{args.model} {name}: {row['bytes_per_step']:,.0f} bytes per step, {fewer:.0f}x fewer than dense",
+                flush=True,
+            )
 
 
 def swept_rates(model: str, name: str, items: list[dict], steps: int) -> tuple[float, ...]:
@@ -847,7 +802,9 @@ def main() -> None:
         metavar="CONFIG=LR[:LR...]",
         help="replace a configuration's swept rates (SWEEPS; e.g. demo=2e-3 runs the seeds at 2e-3)",
     )
-    parser.add_argument("--out", type=Path, help="default benchmarks/results/quality/study (--stage long: the long preset's name)")
+    parser.add_argument(
+        "--out", type=Path, help="default benchmarks/results/quality/study (--stage long: the long preset's name)"
+    )
     parser.add_argument("--report", type=Path, help="only write the table and plots of this study directory")
     parser.add_argument(
         "--retime",
@@ -873,11 +830,11 @@ def main() -> None:
     parser.add_argument(
         "--stage", choices=("long",), help="long: the long-run study (issue 64; benchmarks/quality/long_run.py)"
     )
-    long_run.add_arguments(parser)
+    long_study.add_arguments(parser)
     args = parser.parse_args()
     check_plotting()
     if args.stage == "long":
-        long_run.main(args)
+        long_study.main(args)
         return
     args.steps = args.steps or 300
     args.out = args.out or ROOT / "benchmarks" / "results" / "quality" / "study"

@@ -9,10 +9,10 @@ For each preset of the quality study (``--study`` directories of ``benchmarks/qu
   rate, ``t = compute + 8 * bytes / rate``, with no overlap of the two. The bytes are one node's for OLMo2-1B
   (``--wire_bytes``, written by ``benchmarks/quality/wire_presets.py``: each preset through the real wire; AdamW-HSDP's
   ring all-reduce of bf16 gradients sends the gradient once per node with 2 nodes). The compute is one rank of
-  a node of 8 H100s (``benchmarks/step/gpu_step.py --node_of 8``, BENCHMARKS.md): its forward and backward of
-  4 x 2048 tokens plus AdamW's step on its shards, or plus the default rule's step (the same for every wire
-  preset; FSDP2's in-node collectives, which both pay alike, are left out). The steps are the small preset's:
-  the model is scaled, the number of steps to the loss is assumed to carry over. The result is
+  a node of 8 H100s (``benchmarks/step/gpu_step.py --node_of 8``, BENCHMARKS.md; the model is ``olmo2_1b_step.py``):
+  its forward and backward of 4 x 2048 tokens plus AdamW's step on its shards, or plus the default rule's step (the
+  same for every wire preset; FSDP2's in-node collectives, which both pay alike, are left out). The steps are the
+  small preset's: the model is scaled, the number of steps to the loss is assumed to carry over. The result is
   ``steps to AdamW-HSDP's loss x t(preset) / (AdamW-HSDP's steps x t(AdamW-HSDP))``: below 1, the preset gets
   there first.
 
@@ -31,10 +31,10 @@ import json
 import math
 from pathlib import Path
 
+from olmo2_1b_step import RATES, STEP_MS, step_seconds
 from quality_study import CONFIGS, mean_curve, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
-RATES = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9}
 PRESET_CONFIGS = {  # wire= preset: the study's configuration with the default rule (the same coefficients)
     "demo": "demo_ortho_adam",
     "top96_2bit": "demo_top96_2bit_ortho_adam",
@@ -45,16 +45,6 @@ PRESET_CONFIGS = {  # wire= preset: the study's configuration with the default r
 OUTER_STEP_POINTS = {  # a study configuration that sends a wire= preset's coefficients every H steps: (preset, H)
     "sparseloco_h4_2bit_ortho_adam": ("2bit", 4),  # SparseLoCo with Muon's step inside (issue 45)
 }
-FORWARD_BACKWARD_MS = 220.0
-"""One rank of a node of 8 H100s, OLMo2-1B, 4 x 2048 tokens (gpu_step.py --node_of 8, 2026-11-27)."""
-STEP_MS = {"adamw": 1.58, "flexdemo": 41.19}
-"""That rank's optimizer step: fused AdamW on its shards; the default rule (torch path, its Newton-Schulz share)."""
-
-
-def step_seconds(rule: str, sent: float, rate: float) -> float:
-    """A step of OLMo2-1B on one rank of a node of 8 H100s: the forward and backward, ``rule``'s optimizer step
-    ('adamw' or 'flexdemo', :data:`STEP_MS`), and the ``sent`` bytes of a node at ``rate`` bit/s, not overlapped."""
-    return (FORWARD_BACKWARD_MS + STEP_MS[rule]) / 1e3 + 8 * sent / rate
 
 
 def preset_config(table: dict, model: str, preset: str) -> str:
