@@ -187,8 +187,9 @@ class ReplicationSettings:
     )
     topk: int | None = field(
         default=None,
-        metadata={"help": "demo, sparseloco: coefficients (entries) sent per tile. Unset: 128 (the default wire), else "
-                  "32."},
+        metadata={
+            "help": "demo, sparseloco: coefficients (entries) sent per tile. Unset: 128 (the default wire), else 32."
+        },
     )
     chunk: int | None = field(
         default=None, metadata={"help": "demo, sparseloco: largest tile side of the chunked DCT. Unset: 64."}

@@ -48,19 +48,19 @@ def test_state_entries_are_views_of_one_buffer_per_bucket_built_once():
     opt = FlexDeMo(params, update="sign", topk=3, chunk=4)
     grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
     steps(opt, params, grads[:1])
-    buckets = opt._book.buckets
+    buckets = opt.book.buckets
     assert [bucket.count for bucket in buckets] == [3, 1]  # the (8, 4) matrices, the vector
     momentum = buckets[0].buffers["momentum_dct"]
     for p in (params[0], params[1], params[3]):
         entry = opt.state[p]["momentum_dct"]
         assert entry.untyped_storage().data_ptr() == momentum.untyped_storage().data_ptr()
     steps(opt, params, grads[1:])
-    assert opt._book.buckets is buckets  # not rebuilt per step
+    assert opt.book.buckets is buckets  # not rebuilt per step
     opt.load_state_dict(opt.state_dict())
     steps(opt, params, grads[:1])
-    assert opt._book.buckets is not buckets  # rebuilt on the loaded state
+    assert opt.book.buckets is not buckets  # rebuilt on the loaded state
     assert opt.state[params[1]]["momentum_dct"].untyped_storage().data_ptr() == (
-        opt._book.buckets[0].buffers["momentum_dct"].untyped_storage().data_ptr()
+        opt.book.buckets[0].buffers["momentum_dct"].untyped_storage().data_ptr()
     )
 
 
@@ -88,7 +88,7 @@ def test_a_parameter_whose_storage_was_replaced_is_still_the_one_that_moves():
     before = params[0].detach().clone()
     steps(opt, params, grads[1:])
     assert not torch.equal(params[0].detach(), before)
-    assert opt._book.buckets[0].slots[0].param.data_ptr() == params[0].data_ptr()
+    assert opt.book.buckets[0].slots[0].param.data_ptr() == params[0].data_ptr()
 
 
 def test_every_process_of_a_node_builds_the_same_buckets_from_uneven_shards():
@@ -122,7 +122,7 @@ def test_a_step_holds_one_buckets_gradients_and_a_buckets_worth_of_decoded_updat
     opt = FlexDeMo(params, topk=4, chunk=8, update=update)
     grads = [[torch.randn(s) for s in shapes] for _ in range(2)]
     steps(opt, params, grads[:1])
-    assert [bucket.count for bucket in opt._book.buckets] == [2, 2, 2, 6]
+    assert [bucket.count for bucket in opt.book.buckets] == [2, 2, 2, 6]
 
     stacks, batches = [], []
     stacked = Bucket.grad.fget

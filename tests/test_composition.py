@@ -110,6 +110,7 @@ def test_a_part_reads_the_optimizer_only_through_the_step_pipeline_and_the_optim
             assert used <= members, f"{cls.__qualname__} reads {sorted(used - members)} outside StepPipeline"
     assert readers >= 2  # the quorum rounds and the replica state
     opt = FlexDeMo([torch.nn.Parameter(torch.zeros(4, 4))], elementwise=[])
+    opt.attach(None)  # the layout is decided: ``store`` exists
     assert {name for name in members if not hasattr(opt, name)} == set()
     assert all(callable(getattr(opt, name)) for name in vars(StepPipeline) if not name.startswith("_"))
 

@@ -23,10 +23,17 @@ from support.ft_nodes import Lighthouse, Node, free_port, wait_until
 from support.launch import child_env
 
 from hf_flexdemo import FlexDeMo
+from hf_flexdemo.fault_tolerance.rounds import QuorumRounds, wrap_optimizer
 from hf_flexdemo.fault_tolerance.timeline import PHASES, RoundClock
 from hf_flexdemo.integrations.checkpoints import MARKER
 from hf_flexdemo.scheme_traits import SCHEME_SETTINGS, traits_of
 from hf_flexdemo.topology import ReplicaTopology, parameter_fingerprint
+
+
+def ft(opt) -> QuorumRounds:
+    """The fault-tolerance wrapper around ``opt``, or one built alone (it serves and takes state as a peer)."""
+    return opt.wrapped_by or QuorumRounds(opt)
+
 
 pytest.importorskip("torchft", reason="torchft is part of the test install (setup.cfg [test])")
 
@@ -699,8 +706,8 @@ def test_a_step_the_node_does_not_commit_leaves_no_trace(scheme):
     hp = _read_by_the_scheme(hp)
     params, twins = _tiny_params(), _tiny_params()
     opt, twin = FlexDeMo(params, **hp), FlexDeMo(twins, **hp)
-    opt.attach_managed(OneReplicaQuorum([True, True, False, True]))
-    twin.attach_managed(OneReplicaQuorum([True, True, True]))
+    wrap_optimizer(opt, OneReplicaQuorum([True, True, False, True]))
+    wrap_optimizer(twin, OneReplicaQuorum([True, True, True]))
     for step, twin_step in ((0, 0), (1, 1), (2, None), (3, 2)):
         before = ([p.detach().clone() for p in params], copy_state(opt))
         for p, g in zip(params, _grads(step, params)):
@@ -724,7 +731,7 @@ def test_a_step_under_a_quorum_copies_no_parameters_when_weight_decay_waits_for_
 
     params = _tiny_params()
     opt = FlexDeMo(params, lr=0.05, weight_decay=0.1, topk=3, chunk=4)
-    opt.attach_managed(OneReplicaQuorum([True, False, True]))
+    wrap_optimizer(opt, OneReplicaQuorum([True, False, True]))
     copies = []
     monkeypatch.setattr(Bucket, "stacked_params", lambda bucket: copies.append(bucket) or torch.stack(bucket.params))
     for step in range(3):
@@ -758,7 +765,7 @@ def test_a_healing_node_takes_parameters_shared_state_and_the_learning_rate(sche
             p.grad = g
         peer.step()
     peer.param_groups[0]["lr"] = 0.0123  # where the peer's scheduler is
-    node.load_replica_state(peer.replica_state())
+    ft(node).load_replica_state(ft(peer).replica_state())
     assert node.param_groups[0]["lr"] == 0.0123
     for p, q in zip(mine, peer_params):
         assert int(node.state[p]["step"]) == int(peer.state[q]["step"]) == 4
@@ -810,8 +817,8 @@ def lagging_pair(settings: dict, replay_steps: int | None = None, missed: int = 
     hp = _read_by_the_scheme(hp | dict(join_quorum="before_forward") | settings)
     peer_params, mine = _wide_params(), _wide_params()
     peer, node = FlexDeMo(peer_params, replay_steps=replay_steps, **hp), FlexDeMo(mine, **hp)
-    peer.attach_managed(LaggingPeers(behind=[2]))
-    node.attach_managed(LaggingPeers())
+    wrap_optimizer(peer, LaggingPeers(behind=[2]))
+    wrap_optimizer(node, LaggingPeers())
     for step in range(2 + missed):
         for opt, params in ((peer, peer_params), (node, mine))[: 1 if step >= 2 else 2]:
             for p, g in zip(params, _grads(step, params)):
@@ -819,7 +826,7 @@ def lagging_pair(settings: dict, replay_steps: int | None = None, missed: int = 
             opt.step()
             opt.param_groups[0]["lr"] *= 0.9  # a scheduler: each replayed step takes its own rate
     peer.synchronize()  # a save or an evaluation: a round that is not a training step
-    node.managed.steps_before_quorum = node.managed.step
+    ft(node).managed.steps_before_quorum = ft(node).managed.step
     return peer, node, peer_params, mine
 
 
@@ -827,22 +834,22 @@ def lagging_pair(settings: dict, replay_steps: int | None = None, missed: int = 
 @pytest.mark.parametrize("settings", REPLAYED.values(), ids=REPLAYED.keys())
 def test_a_node_that_missed_steps_replays_their_payloads_and_ends_bitwise_equal(settings):
     peer, node, peer_params, mine = lagging_pair(settings)
-    served = peer.replica_state()
-    missed = list(range(3, peer.managed.step + 1))
+    served = ft(peer).replica_state()
+    missed = list(range(3, ft(peer).managed.step + 1))
     assert "params" not in served and [step.committed for step in served["replay"]] == missed
-    node.load_replica_state(served)
-    node.managed.step = peer.managed.step  # as torchft's heal sets it
-    assert node.managed.healing.caught_up[0] == len(missed) and node.managed.healing.caught_up[1] > 0
+    ft(node).load_replica_state(served)
+    ft(node).managed.step = ft(peer).managed.step  # as torchft's heal sets it
+    assert ft(node).managed.healing.caught_up[0] == len(missed) and ft(node).managed.healing.caught_up[1] > 0
     assert not all(torch.equal(a, b) for a, b in zip(mine, peer_params))  # applied at the node's next commit
     node.synchronize()  # a round that exchanges nothing: the commit replays the missed steps
     assert all(torch.equal(a, b) for a, b in zip(mine, peer_params))
-    keep = node.quorum.replica.shared_keys()
+    keep = ft(node).replica.shared_keys()
     for p, q in zip(mine, peer_params):
         for key in keep:
             if key in peer.state[q]:
                 assert torch.equal(node.state[p][key], peer.state[q][key]), key
     assert node.param_groups[0]["lr"] == peer.param_groups[0]["lr"]
-    served_on = [step.committed for step in node.quorum.replica.replay._steps][-2:]
+    served_on = [step.committed for step in ft(node).replica.replay._steps][-2:]
     assert served_on == [missed[-1], missed[-1] + 1]  # it serves on
 
 
@@ -856,9 +863,9 @@ ENCODES_FIRST = dict(scheme="demo", value_bits=2)
 def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_past_the_end(settings):
     """The closing round: the peer finished training; the node's step catches up and sends nothing."""
     peer, node, peer_params, mine = lagging_pair(settings | {"join_quorum": "when_ready"})
-    node.load_replica_state(peer.replica_state())
-    node.managed.step = peer.managed.step
-    node.managed.end.finished = True  # what the finished peer serves under ROUND_STATE_KEY
+    ft(node).load_replica_state(ft(peer).replica_state())
+    ft(node).managed.step = ft(peer).managed.step
+    ft(node).managed.end.finished = True  # what the finished peer serves under ROUND_STATE_KEY
     momentum = [node.state[p]["momentum_dct"].clone() for p in mine]
     for p, g in zip(mine, _grads(9, mine)):
         p.grad = g
@@ -866,8 +873,8 @@ def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_
     assert all(torch.equal(a, b) for a, b in zip(mine, peer_params))
     assert all(int(node.state[p]["step"]) == int(peer.state[q]["step"]) for p, q in zip(mine, peer_params))
     assert all(torch.equal(node.state[p]["momentum_dct"], m) for p, m in zip(mine, momentum))  # gradient dropped
-    assert node.managed.compared == int(parameter_fingerprint(mine))  # the round compares the nodes' parameters
-    assert not node.managed.end.behind_at_close
+    assert ft(node).managed.compared == int(parameter_fingerprint(mine))  # the round compares the nodes' parameters
+    assert not ft(node).managed.end.behind_at_close
 
 
 @pytest.mark.unit
@@ -875,8 +882,8 @@ def test_a_late_node_healed_by_a_finished_one_catches_up_and_drops_its_gradient_
 @pytest.mark.parametrize("join_quorum", ["before_forward", "when_ready"])
 def test_a_gradient_taken_before_a_catch_up_counts_only_for_a_node_that_joins_when_ready(join_quorum, settings):
     peer, node, _, mine = lagging_pair(settings | {"join_quorum": join_quorum})
-    node.load_replica_state(peer.replica_state())
-    node.managed.step = peer.managed.step
+    ft(node).load_replica_state(ft(peer).replica_state())
+    ft(node).managed.step = ft(peer).managed.step
     decay = node.param_groups[0]["decay"]
     decayed = [node.state[p]["momentum_dct"] * decay for p in mine]
     for p, g in zip(mine, _grads(9, mine)):
@@ -893,25 +900,27 @@ def test_a_node_that_encodes_first_and_heals_as_it_joins_steps_at_the_quorums_le
     """Its payload was encoded at its own rate; the heal in its join brings the peers' (a scheduler ahead), and
     the step applies, decays and logs for replay at that one, as every node of the quorum does."""
     peer, node, peer_params, mine = lagging_pair(ENCODES_FIRST | {"join_quorum": "when_ready"})
-    served, begin = peer.replica_state(), node.managed.begin
+    served, begin = ft(peer).replica_state(), ft(node).managed.begin
 
     def heal_while_joining() -> bool:
-        node.load_replica_state(served)
-        node.managed.step = peer.managed.step
+        ft(node).load_replica_state(served)
+        ft(node).managed.step = ft(peer).managed.step
         begin()
         return True
 
-    node.managed.begin = heal_while_joining
+    ft(node).managed.begin = heal_while_joining
     assert node.param_groups[0]["lr"] != peer.param_groups[0]["lr"]
     applied = []
-    apply_rules = node._apply_rules
-    node._apply_rules = lambda batch, ctx: applied.append({d.bucket.group["lr"] for d in batch}) or apply_rules(batch, ctx)
+    apply_rules = node.applier.apply_rules
+    node.applier.apply_rules = lambda batch, ctx: (
+        applied.append({d.bucket.group["lr"] for d in batch}) or apply_rules(batch, ctx)
+    )
     for p, g in zip(mine, _grads(9, mine)):
         p.grad = g
     node.step()
     lr = peer.param_groups[0]["lr"]
     assert applied[-1] == {lr}, (applied, lr)  # after the replayed steps, each at its own rate
-    assert node.quorum.replica.replay._steps[-1].groups[0]["lr"] == lr  # what a peer of this node would replay
+    assert ft(node).replica.replay._steps[-1].groups[0]["lr"] == lr  # what a peer of this node would replay
 
 
 @pytest.mark.unit
@@ -925,7 +934,7 @@ def test_a_node_that_joins_when_ready_encodes_first_and_steps_exactly_as_one_tha
         opt = FlexDeMo(params, lr=0.05, weight_decay=0.1, topk=4, chunk=16, fault_tolerance="torchft",
                        join_quorum=join_quorum, **ENCODES_FIRST)  # fmt: skip
         managed = OneReplicaQuorum([True] * 10)
-        opt.attach_managed(managed)
+        wrap_optimizer(opt, managed)
         events = order.setdefault(join_quorum, [])
         begin, local_step = managed.begin, opt.scheme.local_step
         managed.begin = lambda _b=begin, _e=events: _e.append("join") or _b()
@@ -950,8 +959,8 @@ def test_a_node_that_joins_when_ready_encodes_first_and_steps_exactly_as_one_tha
 def test_a_node_with_steps_to_replay_numbers_its_next_step_as_its_peers_do():
     """random picks its entries by step number: a node still to replay must pick the peers' entries."""
     peer, node, peer_params, mine = lagging_pair(REPLAYED["random"])
-    node.load_replica_state(peer.replica_state())
-    node.managed.step = peer.managed.step
+    ft(node).load_replica_state(ft(peer).replica_state())
+    ft(node).managed.step = ft(peer).managed.step
     steps = {}
     for name, opt, params in (("peer", peer, peer_params), ("node", node, mine)):
         local_step = opt.scheme.local_step
@@ -968,21 +977,21 @@ def test_a_node_with_steps_to_replay_numbers_its_next_step_as_its_peers_do():
 @pytest.mark.unit
 def test_a_node_further_behind_than_replay_steps_copies_the_whole_state():
     peer, node, peer_params, mine = lagging_pair(REPLAYED["demo"], replay_steps=2, missed=3)
-    served = peer.replica_state()
+    served = ft(peer).replica_state()
     assert "replay" not in served and "params" in served
-    node.load_replica_state(served)
+    ft(node).load_replica_state(served)
     assert all(torch.equal(a, b) for a, b in zip(mine, peer_params))
-    assert node.managed.healing.copied > 0 and node.managed.healing.caught_up is None
+    assert ft(node).managed.healing.copied > 0 and ft(node).managed.healing.caught_up is None
 
 
 @pytest.mark.unit
 def test_scheme_full_copies_the_state_since_one_step_of_it_is_a_copy():
     peer, _, _, _ = lagging_pair(dict(scheme="full"), missed=1)
-    assert "params" in peer.replica_state()
+    assert "params" in ft(peer).replica_state()
 
 
 @pytest.mark.unit
 def test_a_new_node_copies_the_whole_state_even_when_the_steps_are_held():
     peer, _, _, _ = lagging_pair(REPLAYED["demo"], missed=1)
-    peer.managed.healing.behind = [0]  # it never committed a step of this job: its parameters are not the job's
-    assert "params" in peer.replica_state()
+    ft(peer).managed.healing.behind = [0]  # it never committed a step of this job: its parameters are not the job's
+    assert "params" in ft(peer).replica_state()

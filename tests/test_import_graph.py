@@ -74,6 +74,27 @@ def test_no_module_imports_one_that_imports_it():
     assert not found, "import circles:\n" + "\n".join(" -> ".join(circle) for circle in found)
 
 
+def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def test_the_optimizer_core_reaches_neither_fault_tolerance_nor_the_integrations():
+    """Fault tolerance wraps the step from outside (fault_tolerance/rounds.py), and the optimizer never imports
+    transformers or Accelerate: nothing under hf_flexdemo.optim reaches those modules, even through others."""
+    graph = import_graph(PACKAGE)
+    outside = ("hf_flexdemo.fault_tolerance", "hf_flexdemo.integrations")
+    for name in (m for m in graph if m.split(".")[:2] == ["hf_flexdemo", "optim"]):
+        found = sorted(m for m in reaches(graph, name) if ".".join(m.split(".")[:2]) in outside)
+        assert not found, f"{name} reaches {found}"
+    assert "hf_flexdemo.optim.in_flight" in reaches(graph, "hf_flexdemo.fault_tolerance.rounds")  # the walk works
+
+
 def test_a_circle_only_type_annotations_close_is_found(tmp_path):
     """The circle counters.py and flexdemo.py once made: one imports the other, which names it under TYPE_CHECKING."""
     package = tmp_path / "pkg"

@@ -105,10 +105,10 @@ def test_resuming_a_sharded_checkpoint_with_another_rule_is_refused_with_what_to
 
 
 def test_t5_loss_is_not_scaled_by_processes_or_accumulation(launched):
-    for run in ("t5_flexdemo", "t5_adamw_torch"):
-        first_loss = losses(launched[run][0])[0][1]
-        # ln(512) = 6.2 for an untrained model; x4 processes or x2 accumulation would show.
-        assert 5.0 < first_loss < 8.0
+    # FlexDeMo's T5 only: an AdamW run is stock transformers' (the scripts mark their AdamW-HSDP baseline themselves).
+    first_loss = losses(launched["t5_flexdemo"][0])[0][1]
+    # ln(512) = 6.2 for an untrained model; x4 processes or x2 accumulation would show.
+    assert 5.0 < first_loss < 8.0
 
 
 def test_model_card_names_flexdemo_and_its_settings(launched):

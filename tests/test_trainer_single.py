@@ -66,6 +66,8 @@ def test_flexdemo_settings_with_another_optimizer_are_refused(tmp_path):
         TrainingArguments(
             str(tmp_path), optim="adamw_torch", optim_args="topk=32,scheme=demo", use_cpu=True, report_to="none"
         )
+    with pytest.raises(ValueError, match=r"sets FlexDeMo's \['shared_indices'\], but optim='adamw_torch'"):  # removed
+        TrainingArguments(str(tmp_path), optim="adamw_torch", optim_args="shared_indices=true", report_to="none")
 
 
 def flexdemo_llama_trainer(tok, tmp_path, rows: int, **overrides) -> Trainer:

@@ -10,6 +10,7 @@ import torch
 from test_optimizer_single import assert_host_syncs_bounded, make_params, run_with_reference, small, train
 
 from hf_flexdemo import FlexDeMo, FlexDeMoConfig
+from hf_flexdemo.fault_tolerance.rounds import QuorumRounds
 from hf_flexdemo.updates import elementwise_parameters, newton_schulz
 
 pytestmark = pytest.mark.unit
@@ -110,11 +111,11 @@ def test_adaptive_second_moment_is_shared_state_a_healing_node_copies():
     params = make_params()
     opt = FlexDeMo(params, **small(update="adam"))
     train(opt, params, 3)
-    peer = opt.replica_state()
+    peer = QuorumRounds(opt).replica_state()
     assert all("update_sq" in state for state in peer["state"])
     fresh = [torch.nn.Parameter(torch.zeros_like(p)) for p in params]
     healed = FlexDeMo(fresh, **small(update="adam"))
-    healed.load_replica_state(peer)
+    QuorumRounds(healed).load_replica_state(peer)
     for p, q in zip(params, fresh):
         assert torch.equal(opt.state[p]["update_sq"], healed.state[q]["update_sq"])
 
@@ -470,11 +471,11 @@ def test_nodes_that_would_iterate_in_different_dtypes_do_not_fit_one_job(monkeyp
     for fast in (True, False):
         monkeypatch.setattr(orthogonal, "multiplies_bf16_fast", lambda device, fast=fast: fast)
         opt = FlexDeMo(make_params(), **small(update="orthogonal"), elementwise=[])
-        described[fast] = opt.quorum.replica.describe_layout()["settings"]["ns_dtype"]
+        described[fast] = QuorumRounds(opt).replica.describe_layout()["settings"]["ns_dtype"]
     assert described[True] != described[False]
     assert "bf16" in described[True] and "float32" in described[False] and "set ns_dtype=" in described[False]
     opt = FlexDeMo(make_params(), **small(update="orthogonal", ns_dtype="float32"), elementwise=[])
-    assert opt.quorum.replica.describe_layout()["settings"]["ns_dtype"] == "float32"
+    assert QuorumRounds(opt).replica.describe_layout()["settings"]["ns_dtype"] == "float32"
 
 
 def orthogonal_step(update, dtype):

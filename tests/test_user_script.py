@@ -269,7 +269,8 @@ def test_save_model_into_a_read_only_folder_names_it_and_the_reason(tmp_path):
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2))  # fmt: skip
-    trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to="none"))
+    args = TrainingArguments(str(tmp_path), optim="flexdemo", use_cpu=True, report_to="none")
+    trainer = Trainer(model=model, args=args)  # another optimizer's save_model is the stock one
     with small_disk(1, read_only=True) as disk:
         if disk is None:
             pytest.skip("mounting a read-only tmpfs needs root and mount(8)")

@@ -32,6 +32,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoConfig, HfArgumentParser, Trainer, TrainingArguments, set_seed
 
 from hf_flexdemo import FlexDeMoCallback  # importing hf_flexdemo registers optim="flexdemo"
+from hf_flexdemo.fault_tolerance import managed_replicas
 from hf_flexdemo.integrations.checkpoints import (
     CheckpointStorageError,
     check_writable,
@@ -39,8 +40,15 @@ from hf_flexdemo.integrations.checkpoints import (
     newest_complete,
     storage_errors,
 )
-from hf_flexdemo.integrations.final_model import is_checkpoint_folder, save_loadable, saves_sharded
-from hf_flexdemo.integrations.trainer import describe, is_flexdemo, layout, node_count, node_label
+from hf_flexdemo.integrations.final_model import is_checkpoint_folder, save_loadable, save_whole_model, saves_sharded
+from hf_flexdemo.integrations.trainer import (
+    describe,
+    is_flexdemo,
+    layout,
+    mark_mean_loss_model,
+    node_count,
+    node_label,
+)
 from hf_flexdemo.optim import unwrap_flexdemo
 from hf_flexdemo.optim.counters import bf16_dense_bytes, x_fewer_than_bf16_dense
 
@@ -224,15 +232,21 @@ def exit_worker() -> None:
 def save_full_model(trainer: Trainer) -> None:
     """Save full weights to ``output_dir`` (call on every process: gathering is collective).
 
-    ``Trainer.save_model`` gathers them under a sharded state dict too (:mod:`hf_flexdemo.integrations.final_model`).
-    Called as the Trainer calls it itself, so that it does not push: the run's final push follows, with the card.
+    The scripts' ``save_model`` gathers them under a sharded state dict too, whatever the optimizer
+    (:class:`ScriptTrainerMixin`). Called as the Trainer calls it itself, so that it does not push: the run's
+    final push follows, with the card.
     """
     trainer.save_model(_internal_call=True)
 
 
 class ScriptTrainerMixin:
-    """Trainer mixin of the scripts: loadable checkpoints and the model card.
+    """Trainer mixin of the scripts: the same model and loss for every optimizer, loadable checkpoints, the model card.
 
+    - ``import hf_flexdemo`` changes FlexDeMo runs only; the scripts also give their other optimizers (the
+      AdamW-HSDP baseline) two of its changes, so that both train and save alike: a T5-family model is marked as
+      averaging its own loss (:func:`~hf_flexdemo.integrations.trainer.mark_mean_loss_model`), and the final
+      model is saved whole under a sharded state dict
+      (:func:`~hf_flexdemo.integrations.final_model.save_whole_model`; the benchmarks fine-tune AdamW-HSDP's).
     - With a sharded state dict the Trainer's ``checkpoint-N`` holds only shards; here it also
       gets the config and the tokenizer, and gathered ``model.safetensors`` when checkpoints
       are pushed to the Hub (``--hub_strategy`` other than ``end``), so that every pushed
@@ -244,9 +258,14 @@ class ScriptTrainerMixin:
 
     card_info: dict[str, Any] = {}
 
+    def __init__(self, *args, **kwargs):
+        mark_mean_loss_model(kwargs.get("model", args[0] if args else None))  # before the Trainer reads it
+        super().__init__(*args, **kwargs)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         report_failed_pushes(self)  # before the Trainer replaces the finished push with the next one
-        super().save_model(output_dir, _internal_call)
+        stock = super().save_model  # for FlexDeMo, hf_flexdemo's save_model already
+        save_whole_model(lambda _trainer, *args: stock(*args), self, output_dir, _internal_call)
         folder = output_dir or self.args.output_dir
         if _internal_call and saves_sharded(self) and is_checkpoint_folder(folder):
             pushed = self.args.push_to_hub and str(getattr(self.args.hub_strategy, "value", "")) != "end"
@@ -408,7 +427,7 @@ def print_summary(trainer: Trainer, metrics: dict[str, float], headline: Sequenc
         )
     else:
         print(f"   inter-node bytes of {node}'s dense all-reduce (bf16 gradients): {_bytes(figures['dense'])}")
-    replicas = getattr(unwrap_flexdemo(trainer.optimizer), "managed", None)  # None: not FlexDeMo, or no optimizer
+    replicas = managed_replicas(unwrap_flexdemo(trainer.optimizer))  # None: not FlexDeMo, or no optimizer
     if replicas is not None:
         print(f"   quorum of live nodes: {replicas.membership_story()}")
         if replicas.healing.catch_up_story():

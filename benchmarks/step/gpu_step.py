@@ -215,7 +215,7 @@ def node_shard_plan(model: torch.nn.Module, n: int, rank: int = 0) -> NodeShardP
     whole matrices it owns under the default rule.
 
     The groups are the Trainer's (embeddings and heads apart, ``elementwise_parameters``), the buckets
-    ``build_buckets``'s over the whole shapes, batched for the rule as ``FlexDeMo.decode_and_apply``
+    ``build_buckets``'s over the whole shapes, batched for the rule as ``RuleApplier.decode_and_apply``
     does (a batch closes at ``bucket_entries`` whole entries), and each batch's matrices dealt by
     ``deal_owners``, as ``_orthogonalize_by_owner`` deals them.
     """

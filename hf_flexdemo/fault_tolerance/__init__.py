@@ -32,8 +32,8 @@ One idea per module:
 - :mod:`.replica_state` and :mod:`.replay`: the optimizer's side of healing, by copy or by replay, and of
   undoing a step;
 - :mod:`.closing`: the end of a job (closing rounds);
-- :mod:`.rounds`: the optimizer's side of each round (:class:`~.rounds.QuorumRounds`, a part of
-  :class:`~hf_flexdemo.FlexDeMo`), and :mod:`.pipeline`: what it uses of the optimizer;
+- :mod:`.rounds`: the wrapper around the optimizer's step (:func:`~.rounds.wrap_optimizer`,
+  :class:`~.rounds.QuorumRounds`), and :mod:`.pipeline`: what it uses of the optimizer;
 - :mod:`.collectives`: the exchange's collectives on the quorum's process group;
 - :mod:`.lighthouse`: the Lighthouse client.
 """
@@ -52,6 +52,7 @@ from .node import NCCL_NONBLOCKING_TIMEOUT_ENV as NCCL_NONBLOCKING_TIMEOUT_ENV
 from .node import FaultToleranceError, NodeIdentity, import_torchft
 from .node import nccl_nonblocking_timeout as nccl_nonblocking_timeout
 from .replicas import ManagedReplicas, node_replicas
+from .rounds import QuorumRounds, managed_replicas, wrap_optimizer
 
 __all__ = [
     "FaultToleranceError",
@@ -60,4 +61,7 @@ __all__ = [
     "import_torchft",
     "lighthouse_status",
     "node_replicas",
+    "QuorumRounds",
+    "managed_replicas",
+    "wrap_optimizer",
 ]

@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from ..buckets import Bucket
 from ..dtensor_utils import local_tensor
+from ..optim.apply_rules import weight_decay
 from ..schemes.base import ReplicationScheme, StepContext
+from ..state_store import StateView
 from ..updates.orthogonal import newton_schulz_dtype
 from .pipeline import StepPipeline
 from .replay import LoggedStep, ReplayLog, map_tensors
@@ -117,8 +119,9 @@ class ReplicaState:
     def take(self, peer: dict[str, Any]) -> None:
         """Take a peer's parameters and shared state, or the steps to replay; this replica's own momentum stays
         (see fault_tolerance)."""
-        pipeline = self.pipeline
-        pipeline.drop_pending()
+        pipeline = self.pipeline  # (nothing is pending: overlap is refused under fault tolerance)
+        if pipeline.store is None:  # a node not attached yet keeps its own layout (decided on first use)
+            pipeline.topology  # noqa: B018
         if "replay" in peer:
             self._take_missed_steps(peer)
             return
@@ -129,7 +132,7 @@ class ReplicaState:
             group.update(saved)
         for p, value, state in zip(self._ordered_params(), peer["params"], peer["state"]):
             local_tensor(p).data.copy_(value)
-            mine = pipeline.state_view(p)
+            mine = StateView(pipeline.store, p, local_tensor(p), pipeline.state[p])
             for key, peer_value in state.items():
                 if key in mine:
                     local_tensor(mine.raw[key]).copy_(peer_value)
@@ -138,7 +141,7 @@ class ReplicaState:
                 else:  # a count
                     mine.raw[key] = peer_value.clone()
             pipeline.scheme.healed(local_tensor(p), mine)
-        pipeline.forget_buckets()
+        pipeline.book.stale = True  # the state was replaced: the buckets are built again at the next step
 
     def _take_missed_steps(self, peer: dict[str, Any]) -> None:
         """Keep a peer's logged steps for the next commit, when every process of the node replays them together
@@ -182,7 +185,7 @@ class ReplicaState:
             if step.groups:  # a round that changed nothing has no buckets
                 self._replay_step(buckets, step)
             self.replay.record(step)
-        self.pipeline.forget_step_count()  # the step counts moved on
+        self.pipeline.book.host_step = None  # the step counts moved on: read them again
 
     def _replay_step(self, buckets: list[Bucket], step: LoggedStep) -> None:
         """One missed step, as the peers applied it: weight decay, then each bucket's decoded update."""
@@ -202,9 +205,9 @@ class ReplicaState:
             stepping.append(moved)
         if step.ctx is not None:  # weight decay in the rules' pass, as the peers applied it
             parts = map_tensors(step.parts, lambda t: t.to(device))
-            self.pipeline.decode_and_apply(stepping, parts, step.ctx, decay=step.trained)
+            self.pipeline.applier.decode_and_apply(stepping, parts, step.ctx, decay=step.trained)
         elif step.trained:
-            self.pipeline.decay(stepping)
+            weight_decay(stepping)
 
     def describe_layout(self) -> dict[str, Any]:
         """Settings and shapes every node must share, compared when a node first meets the others. Group

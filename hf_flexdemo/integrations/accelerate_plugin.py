@@ -39,6 +39,11 @@ match the launch); the Trainer runs it at construction, before any data is loade
 
 Layout: ``parallelism_config`` in the Accelerate YAML sets it; without one, FlexDeMo uses
 nodes x processes-per-node (``WORLD_SIZE / LOCAL_WORLD_SIZE`` x ``LOCAL_WORLD_SIZE``).
+
+Unlike the Trainer's patches (:mod:`.trainer`, FlexDeMo runs only), these act for every optimizer: a launch
+with this package's Accelerate configs keeps the layout they set (FSDP2 kept on CPU, gloo on a CPU launch,
+the refusals of a config that cannot run), because AdamW-HSDP on ``accelerate_configs/cpu_2x2.yaml`` is the
+baseline the benchmarks compare FlexDeMo against. Only ``prepare``'s FlexDeMo layout waits for FlexDeMo.
 """
 
 from __future__ import annotations
@@ -268,10 +273,10 @@ def _join_quorum(accelerator: Accelerator, flexdemo: FlexDeMo) -> None:
     """fault_tolerance='torchft': this node's replicas are the live nodes of a torchft quorum."""
     if not flexdemo.config.fault_tolerant:
         return
-    from ..fault_tolerance import node_replicas
+    from ..fault_tolerance import node_replicas, wrap_optimizer
 
     device = accelerator.device
-    flexdemo.attach_managed(node_replicas(flexdemo.config, device=device if device.type == "cuda" else None))
+    wrap_optimizer(flexdemo, node_replicas(flexdemo.config, device=device if device.type == "cuda" else None))
 
 
 def check_flexdemo_layout(state: AcceleratorState) -> None:

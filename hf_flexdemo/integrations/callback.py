@@ -34,6 +34,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from .. import refusals
+from ..fault_tolerance.rounds import managed_replicas
 from ..optim import FlexDeMo, unwrap_flexdemo
 from ..optim.counters import x_fewer_than_bf16_dense
 from ..topology import collective_device
@@ -51,7 +52,9 @@ class ReplicaDriftError(RuntimeError):
 
 
 class FlexDeMoCallback(TrainerCallback):
-    """Routes FlexDeMo's inter-node step in the Trainer. Added to every Trainer by ``import hf_flexdemo``.
+    """Routes FlexDeMo's inter-node step in the Trainer. Added to every FlexDeMo Trainer (``optim="flexdemo"``) by
+    ``import hf_flexdemo``; a Trainer with another optimizer gets it only if passed in ``callbacks``, where it does
+    nothing.
 
     Args:
         check_every: also compare replicas every this many steps (besides logging steps);
@@ -85,7 +88,7 @@ class FlexDeMoCallback(TrainerCallback):
         replicas = opt.config.simulate_replicas
         self._simulation = SimulatedSteps(opt, args, replicas) if replicas > 1 else None
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if not opt.is_attached and world > 1:
+        if opt.store is None and world > 1:  # neither attached to a mesh nor wrapped
             raise RuntimeError(
                 "FlexDeMo has no replicate group at train start. `import hf_flexdemo` before the Trainer is "
                 "created and launch with an FSDP2 Accelerate config (see accelerate_configs/)."
@@ -94,10 +97,11 @@ class FlexDeMoCallback(TrainerCallback):
         if topo.mesh is not None:
             names = [n for n in topo.mesh.mesh_dim_names if n != topo.replicate_dim]
             self._node_group = topo.mesh[names[0]].get_group() if names else None
-        if opt.managed is not None:  # each node is its own job: the node is the whole world
+        managed = managed_replicas(opt)
+        if managed is not None:  # each node is its own job: the node is the whole world
             self._node_group = dist.group.WORLD if dist.is_initialized() else None
             if state.is_world_process_zero:
-                logger.info("FlexDeMo: %s trains in a torchft quorum of live nodes.", opt.managed.identity.name)
+                logger.info("FlexDeMo: %s trains in a torchft quorum of live nodes.", managed.identity.name)
         elif not opt.config.traits.sends and topo.size > 1:
             logger.warning(
                 "FlexDeMo scheme='none' on %d replicas: nothing is exchanged, so replicas drift apart.", topo.size
@@ -107,7 +111,7 @@ class FlexDeMoCallback(TrainerCallback):
                 "FlexDeMo: %d replicas simulated in this process, %d micro-batch(es) each per step.",
                 replicas, self._simulation.micro_steps,
             )  # fmt: skip
-        elif topo.size == 1 and opt.managed is None and state.is_world_process_zero:
+        elif topo.size == 1 and managed is None and state.is_world_process_zero:
             logger.warning(
                 "FlexDeMo has 1 replica: nothing crosses nodes (byte figures stay 0) and each step applies the "
                 "update rule to this replica's own update. Launch several nodes (parallelism_config_dp_replicate_size) "
@@ -116,7 +120,7 @@ class FlexDeMoCallback(TrainerCallback):
         if state.is_world_process_zero:
             logger.info("FlexDeMo: %d replica(s), scheme=%r, %s", topo.size, opt.config.scheme, opt.config)
         self._last = (state.global_step, self._node_totals())
-        self._last_clock = opt.managed.clock.totals() if opt.managed is not None else {}
+        self._last_clock = managed.clock.totals() if managed is not None else {}
         self._node_samples = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
 
     # -- every step ----------------------------------------------------------------------
@@ -125,8 +129,8 @@ class FlexDeMoCallback(TrainerCallback):
         if not self._hook_checked:  # once a run: back above a hook installed at train start (wandb.init)
             refusals.install()
             self._hook_checked = True
-        if self._optimizer is not None:
-            self._optimizer.begin_step()  # fault tolerance: join the quorum (and heal) before the forward pass
+        if self._optimizer is not None and self._optimizer.wrapped_by is not None:
+            self._optimizer.wrapped_by.begin_step()  # fault tolerance: join the quorum (and heal) before the forward
         self._micro_steps = 0
 
     def on_substep_end(self, args, state, control, **kw):
@@ -211,7 +215,7 @@ class FlexDeMoCallback(TrainerCallback):
         }
         if sent:
             figures[RATIO_KEY] = x_fewer_than_bf16_dense(sent, dense)
-        replicas = self._optimizer.managed
+        replicas = managed_replicas(self._optimizer)
         if replicas is not None:  # fault tolerance: who is training, and how far the quorum got
             figures["flexdemo/live_replicas"] = replicas.topology().size
             figures["flexdemo/committed_steps"] = replicas.step

@@ -1,4 +1,7 @@
-"""Crash-safe Trainer checkpoints: a completion marker, resume from the newest complete one.
+"""Crash-safe Trainer checkpoints of FlexDeMo runs: a completion marker, resume from the newest complete one.
+
+A Trainer with another optimizer keeps the stock checkpoints and resume: ``import hf_flexdemo`` adds neither
+the marker nor the resume rules below to it (``integrations/trainer.py`` hands it the stock methods).
 
 The Trainer writes ``checkpoint-N`` file by file from every process, with no step that says
 "done": a process killed mid-save leaves a directory that looks like a checkpoint (and
@@ -214,7 +217,9 @@ def _decide(run_dir: Path, request: str | bool) -> tuple[str, str | None]:
     if reason is None:
         return "ok", str(folder)
     if folder.is_dir() and not (folder / MARKER).exists() and (folder / "trainer_state.json").is_file():
-        logger.warning("%s has no completion marker (saved without hf_flexdemo?); resuming from it as asked.", folder)
+        logger.warning(
+            "%s has no completion marker (saved by a run without FlexDeMo?); resuming from it as asked.", folder
+        )
         return "ok", str(folder)
     newest = newest_complete(folder.parent)
     instead = f"--resume_from_checkpoint {newest}" if newest else "no --resume_from_checkpoint (a fresh start)"
@@ -251,12 +256,12 @@ def _decide_unasked(run_dir: Path, overwrite: bool | None) -> tuple[str, str | N
             start_over.format(kept),
         )
         return "ok", str(complete)
-    # Without our marker a folder may still be a whole checkpoint saved without hf_flexdemo.
+    # Without our marker a folder may still be a whole checkpoint saved by a run without FlexDeMo.
     stock = [folder.name for folder in found if (folder / "trainer_state.json").is_file()]
     if stock:
         return "error", (
             f"output_dir={str(run_dir)!r} holds {', '.join(stock)} without hf_flexdemo's completion marker (saved "
-            "without hf_flexdemo, or a save that was interrupted), and training from step 0 would overwrite it. "
+            "by a run without FlexDeMo, or a save that was interrupted), and training from step 0 would overwrite it. "
             f"Write --resume_from_checkpoint {run_dir / stock[-1]} to resume from it as it is, "
             f"--resume_from_checkpoint auto to discard it as interrupted and start from step 0, or "
             f"{start_over.format(', '.join(stock))}."
@@ -272,7 +277,7 @@ def _decide_unasked(run_dir: Path, overwrite: bool | None) -> tuple[str, str | N
 class CheckpointCallback(TrainerCallback):
     """Marks each checkpoint complete once every process wrote it; rotates only complete ones.
 
-    Added to every Trainer by ``import hf_flexdemo``. It also settles which checkpoint is the
+    Added to every FlexDeMo Trainer by ``import hf_flexdemo``. It also settles which checkpoint is the
     best one after the barrier (the Trainer decides it per process while the save is still
     being written, so processes could disagree), and applies ``save_total_limit`` itself,
     after the marker, so that a crash never leaves fewer complete checkpoints than asked for.

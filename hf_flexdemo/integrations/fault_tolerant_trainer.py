@@ -181,8 +181,8 @@ class NodePosition(TrainerCallback):
         self.ended = True
         self.replicas.quorum.check_trained()
         flexdemo = unwrap_flexdemo(optimizer)
-        if flexdemo is not None:  # after the final synchronize() and replica check (FlexDeMoCallback comes first)
-            flexdemo.finish_training()
+        if flexdemo is not None and flexdemo.wrapped_by is not None:  # after the final synchronize() and replica
+            flexdemo.wrapped_by.finish_training()  # check (FlexDeMoCallback comes first)
         note = self.replicas.ending_note()
         if note and args.process_index == 0:
             logger.warning(note)

@@ -1,11 +1,13 @@
-"""The trained model, saved whole by ``Trainer.save_model`` whatever the FSDP state-dict setting.
+"""FlexDeMo's trained model, saved whole by ``Trainer.save_model`` whatever the FSDP state-dict setting.
 
 FSDP2 with ``fsdp_state_dict_type: SHARDED_STATE_DICT`` (every shipped Accelerate config: sharded
 checkpoints carry each replica's optimizer state) makes the stock ``save_model`` write no weights, no
-config and no tokenizer. Here ``save_model`` into any folder but a ``checkpoint-N`` gathers the full
-state dict on rank 0, which writes the Hub format (``model.safetensors``, sharded for big models,
+config and no tokenizer. Here a FlexDeMo run's ``save_model`` into any folder but a ``checkpoint-N`` gathers
+the full state dict on rank 0, which writes the Hub format (``model.safetensors``, sharded for big models,
 ``config.json``, the ``processing_class``), so ``push_to_hub`` pushes a model that ``from_pretrained``
-loads. The checkpoints the Trainer writes for resuming (``checkpoint-N``) stay sharded.
+loads. The checkpoints the Trainer writes for resuming (``checkpoint-N``) stay sharded. A run with another
+optimizer gets the stock ``save_model``; :func:`save_whole_model` gives it the same save when asked for
+(the ready-made scripts do, so that AdamW-HSDP's model loads as FlexDeMo's does).
 
 - A model larger than rank 0's free host memory is not gathered: the folder gets the config and the
   tokenizer, and a warning gives the command that merges the newest complete checkpoint's shards.
@@ -31,6 +33,7 @@ from .checkpoints import (
     newest_complete,
     storage_cause,
 )
+from .training_args import is_flexdemo
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +41,12 @@ STAGING = ".flexdemo_saving"
 """Where rank 0 writes the model before moving it into place (inside the target folder: the same disk)."""
 HEADROOM = 1.25
 """Free host memory rank 0 needs, as a multiple of the parameters' bytes (the gathered copy, and room to spare)."""
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 WEIGHT_PREFIXES = ("model-", "pytorch_model-")
 MODEL_SHARDS = "pytorch_model_fsdp_0"
 """Accelerate's folder of the model's sharded state dict inside ``checkpoint-N``."""
@@ -55,7 +63,17 @@ def is_checkpoint_folder(folder: str | os.PathLike) -> bool:
 
 
 def save_model(original, trainer, output_dir: str | None = None, _internal_call: bool = False) -> None:
-    """``Trainer.save_model``: the whole model in the Hub format into any folder but a ``checkpoint-N``."""
+    """``Trainer.save_model``: for FlexDeMo, :func:`save_whole_model`; for another optimizer, the stock method."""
+    if not is_flexdemo(trainer.args):
+        return original(trainer, output_dir, _internal_call)
+    return save_whole_model(original, trainer, output_dir, _internal_call)
+
+
+def save_whole_model(original, trainer, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    """The whole model in the Hub format into any folder but a ``checkpoint-N``, whatever the optimizer.
+
+    ``original(trainer, output_dir, _internal_call)`` is the stock ``save_model``: it writes ``checkpoint-N``
+    folders, and the model where the state dict is not sharded (into a folder checked to be writable)."""
     target = Path(output_dir or trainer.args.output_dir)
     if is_checkpoint_folder(target):
         return original(trainer, output_dir, _internal_call)
@@ -196,7 +214,9 @@ def too_big_message(model, target: Path, run_dir: str | os.PathLike, available: 
 def storage_message(target: Path, run_dir: str | os.PathLike, cause: str) -> str:
     newest = newest_complete(Path(run_dir))
     kept = f"the newest complete checkpoint, {newest}, is whole" if newest else "no checkpoint had been saved"
-    merge = f" (`accelerate merge-weights {newest / MODEL_SHARDS} {target}` rebuilds the model from it)" if newest else ""
+    merge = (
+        f" (`accelerate merge-weights {newest / MODEL_SHARDS} {target}` rebuilds the model from it)" if newest else ""
+    )
     return (
         f"save_model into {target.resolve()} failed: {cause}. Nothing was moved into it, so what it held before "
         f"is whole, and {kept}{merge}. Free space (or fix the rights), then save again."

@@ -9,6 +9,11 @@ versions: the target exists, and after ``import hf_flexdemo`` each entry that ap
 A library newer than the versions an entry was checked on is said once in the log (the patch is still applied: the
 test suite of the newer release is what tells). A target the release moved stops the install with the entry's name.
 
+The Trainer's patches act on FlexDeMo runs (``optim="flexdemo"``) only: each hands a run with another optimizer to
+the original untouched, so such a Trainer behaves as stock transformers (refusing only FlexDeMo's keys in its
+``optim_args``). The Accelerate patches act on every launch, whatever the optimizer: a launch with this package's
+Accelerate configs keeps the layout they set (FSDP2 on CPU, gloo), which the AdamW-HSDP baseline trains on too.
+
 Outside the two libraries, ``hf_flexdemo`` adds an import hook (:mod:`hf_flexdemo.integrations`, so that installing
 waits for the library's import) and wraps ``sys.excepthook`` once per process (:mod:`hf_flexdemo.refusals`).
 """
@@ -62,19 +67,21 @@ PATCHES: tuple[Patch, ...] = (
         "accelerate.state.PartialState.__init__",
         "wrapped",
         "a distributed launch on a machine without an accelerator runs on CPU with gloo, instead of N processes "
-        "that each train alone",
+        "that each train alone (every optimizer)",
         ACCELERATE,
     ),
     Patch(
         "accelerate.utils.FullyShardedDataParallelPlugin.__post_init__",
         "wrapped",
-        "FSDP1 on CPU and FSDP1 spellings under FSDP2 are refused with a message that says what to write",
+        "FSDP1 on CPU and FSDP1 spellings under FSDP2 are refused with a message that says what to write (every "
+        "optimizer)",
         ACCELERATE,
     ),
     Patch(
         "accelerate.state.AcceleratorState.__init__",
         "wrapped",
-        "FSDP stays FSDP on a machine without a GPU (Accelerate turns it into DDP without a word)",
+        "FSDP stays FSDP on a machine without a GPU (Accelerate turns it into DDP without a word), for every "
+        "optimizer: AdamW-HSDP on cpu_2x2.yaml is the baseline",
         ACCELERATE,
     ),
     Patch(
@@ -86,27 +93,30 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "transformers.TrainingArguments.__post_init__",
         "wrapped",
-        "bf16=True on a machine without a GPU trains in bf16 on the CPU instead of failing on every process; bad "
-        "optim_args are refused when the arguments are built, before a script loads data",
+        "optim='flexdemo' with bf16=True on a machine without a GPU trains in bf16 on the CPU instead of failing on "
+        "every process; bad optim_args are refused when the arguments are built, before a script loads data (under "
+        "another optimizer: FlexDeMo's keys only, the rest is stock)",
         TRANSFORMERS,
     ),
     Patch(
         "transformers.Trainer.__init__",
         "wrapped",
-        "refusals before any data is loaded, FlexDeMo's callbacks ahead of the reporters, the torchft node",
+        "a FlexDeMo Trainer: refusals before any data is loaded, FlexDeMo's callbacks ahead of the reporters, the "
+        "torchft node (another optimizer's Trainer is stock, but for FlexDeMo's keys in optim_args)",
         TRANSFORMERS,
     ),
     Patch(
         "transformers.Trainer.train",
         "wrapped",
-        "resumes from the newest complete checkpoint; a checkpoint of another model or another rule is refused",
+        "a FlexDeMo run resumes from the newest complete checkpoint; a checkpoint of another model or another rule "
+        "is refused (another optimizer's run: the stock train)",
         TRANSFORMERS,
     ),
     Patch(
         "transformers.Trainer.save_model",
         "wrapped",
-        "the final model is saved whole in the Hub format (gathered on rank 0) also under a sharded FSDP state dict, "
-        "where the stock method writes no weights",
+        "a FlexDeMo run's final model is saved whole in the Hub format (gathered on rank 0) also under a sharded FSDP "
+        "state dict, where the stock method writes no weights (another optimizer's run: the stock save)",
         TRANSFORMERS,
     ),
     Patch(

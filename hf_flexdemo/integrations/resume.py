@@ -1,4 +1,7 @@
-"""A checkpoint checked against the run that resumes it, before the Trainer loads anything.
+"""A checkpoint checked against the FlexDeMo run that resumes it, before the Trainer loads anything.
+
+``Trainer.train`` runs these for ``optim="flexdemo"`` only; a run with another optimizer resumes as stock
+transformers does.
 
 - :func:`check_checkpoint_model`: a checkpoint of another model (an OLMo2 ``checkpoint-2``
   resumed by the T5 script, or a T5 of another size) is refused once, naming both models;

@@ -5,20 +5,27 @@ looks the name up in ``transformers.trainer_optimizer._OPTIMIZER_HANDLERS``; nei
 public registry, so :func:`install` adds a member and a handler (every patch is listed in
 :mod:`.patches`). The handler builds FlexDeMo from the standard flags (``--learning_rate``,
 ``--weight_decay``, ``--adam_beta1/2`` and ``--adam_epsilon`` for DiLoCo's inner AdamW) plus
-``optim_args`` for FlexDeMo's own settings. Every Trainer gets :class:`FlexDeMoCallback` and
-:class:`CheckpointCallback` through its public callback list, ahead of the reporters (whose
-``on_log`` then sees FlexDeMo's figures); the FlexDeMo callback does nothing unless the
-optimizer is FlexDeMo. :func:`install` also makes
-the model card's optimizer line name FlexDeMo, its settings and the layout; and marks
-T5-family models as averaging their own loss (see :func:`mark_mean_loss_model`), a trap
-of transformers 5.x that scales T5's loss by processes and accumulation steps. Every
-Trainer also gets crash-safe checkpoints (:mod:`.checkpoints`): ``train`` resumes from the
+``optim_args`` for FlexDeMo's own settings.
+
+Everything else acts on FlexDeMo runs only (``optim="flexdemo"``, :func:`is_flexdemo`): a Trainer with any
+other optimizer gets the stock methods, untouched, as if ``hf_flexdemo`` were not imported (the same callbacks,
+resume and overwrite behaviour, ``save_model`` and ``bf16``). The one exception is a refusal: FlexDeMo's own
+keys in ``optim_args`` under another optimizer, which would drop them silently
+(:func:`refuse_flexdemo_args_for_other_optimizers`). The Accelerate plugin (:mod:`.accelerate_plugin`) is
+another matter: a launch with this package's Accelerate configs keeps the layout they set (FSDP2 on CPU, gloo)
+for every optimizer, since AdamW-HSDP on ``accelerate_configs/cpu_2x2.yaml`` is the benchmarks' baseline.
+
+A FlexDeMo Trainer gets :class:`FlexDeMoCallback` and :class:`CheckpointCallback` through its public callback
+list, ahead of the reporters (whose ``on_log`` then sees FlexDeMo's figures); the model card's optimizer line
+names FlexDeMo, its settings and the layout; T5-family models are marked as averaging their own loss (see
+:func:`mark_mean_loss_model`), a trap of transformers 5.x that scales T5's loss by processes and accumulation
+steps. It also gets crash-safe checkpoints (:mod:`.checkpoints`): ``train`` resumes from the
 newest *complete* checkpoint for ``resume_from_checkpoint="auto"`` or ``True`` (and after an
 automatic restart, or when an earlier run's checkpoints are in ``output_dir``), and a worker
 stops when its launcher dies (:mod:`hf_flexdemo.elastic`). ``save_model`` writes the whole model in the Hub
 format under any FSDP state-dict setting (:mod:`.final_model`). Bad ``optim_args`` are refused when
-``TrainingArguments`` is built, before a script loads data. ``TrainingArguments(bf16=True)`` on
-a machine without an accelerator trains in bf16 on the CPU (:func:`_bf16_on_cpu`) instead of
+``TrainingArguments`` is built, before a script loads data. ``TrainingArguments(optim="flexdemo", bf16=True)``
+on a machine without an accelerator trains in bf16 on the CPU (:func:`_bf16_on_cpu`) instead of
 failing on every process.
 """
 
@@ -36,6 +43,7 @@ import transformers.trainer
 
 from .. import elastic, refusals
 from ..config import FlexDeMoConfig
+from ..fault_tolerance.rounds import managed_replicas
 from ..optim import FlexDeMo, unwrap_flexdemo
 from ..updates import check_saved_inner_step, check_saved_state_keys, elementwise_parameters
 from .accelerate_plugin import check_flexdemo_layout, fp16_refusal
@@ -107,7 +115,7 @@ def node_label(trainer) -> str:
 
 def fault_tolerant_identity(trainer):
     """This node's :class:`~hf_flexdemo.fault_tolerance.NodeIdentity` under fault tolerance, else ``None``."""
-    replicas = getattr(unwrap_flexdemo(getattr(trainer, "optimizer", None)), "managed", None)
+    replicas = managed_replicas(unwrap_flexdemo(getattr(trainer, "optimizer", None)))
     return replicas.identity if replicas is not None else None
 
 
@@ -154,20 +162,22 @@ def mark_mean_loss_model(model) -> bool:
 
 
 def _training_arguments_post_init(original, self, *args, **kwargs):
-    """``TrainingArguments.__post_init__``: :func:`_bf16_on_cpu` before it, :func:`check_training_arguments` after
-    it (once ``optim`` is the enum member; a script has loaded no data yet)."""
-    _bf16_on_cpu(self)
+    """``TrainingArguments.__post_init__``: for FlexDeMo, :func:`_bf16_on_cpu` before it; for every optimizer,
+    :func:`check_training_arguments` after it (once ``optim`` is the enum member; a script has loaded no data
+    yet), which under another optimizer only refuses FlexDeMo's keys in ``optim_args``."""
+    if is_flexdemo(self):  # before the original: optim may still be the plain string here
+        _bf16_on_cpu(self)
     original(self, *args, **kwargs)
     check_training_arguments(self)
 
 
 def _bf16_on_cpu(self) -> None:
-    """``--bf16`` without an accelerator trains in bf16 on the CPU instead of failing on every process.
+    """FlexDeMo's ``--bf16`` without an accelerator trains in bf16 on the CPU instead of failing on every process.
 
     transformers refuses ``bf16`` without a bf16 GPU unless ``use_cpu`` is set ("Your setup doesn't
     support bf16/gpu"), which every process of a launch raises with its traceback; the GPU commands
     of docs/launching.md carry ``--bf16``. torch autocasts to bf16 on CPU and FSDP2 runs it over gloo, so this
-    sets ``use_cpu`` and says so once per machine.
+    sets ``use_cpu`` and says so once per machine. Another optimizer's ``bf16`` is left to transformers.
     """
     if (self.bf16 or self.bf16_full_eval) and not self.use_cpu and not torch.accelerator.is_available():
         self.use_cpu = True
@@ -180,29 +190,33 @@ def _bf16_on_cpu(self) -> None:
 
 
 def _trainer_init(original, self, *args, **kwargs):
+    training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+    if training_args is None or not is_flexdemo(training_args):  # no args: the Trainer's default, AdamW
+        if training_args is not None:
+            refuse_flexdemo_args_for_other_optimizers(training_args)  # a script may have set them after building
+        return original(self, *args, **kwargs)
     refusals.install()  # above a hook installed since import (a script's own wandb.init)
     mark_mean_loss_model(kwargs["model"] if "model" in kwargs else (args[0] if args else None))
     elastic.check_restart_setup()  # before any data is loaded
-    training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-    if getattr(training_args, "output_dir", None):  # the Trainer creates it: a raw OSError otherwise
+    if training_args.output_dir:  # the Trainer creates it: a raw OSError otherwise
         check_writable(training_args.output_dir)
     original(self, *args, **kwargs)
     _add_own_callbacks(self)
     elastic.exit_with_launcher()
     _refuse_before_training(self)
-    if is_flexdemo(self.args):
-        config = flexdemo_config(self.args)
-        if config.fault_tolerant:
-            from .fault_tolerant_trainer import prepare_fault_tolerant_trainer
+    config = flexdemo_config(self.args)
+    if config.fault_tolerant:
+        from .fault_tolerant_trainer import prepare_fault_tolerant_trainer
 
-            prepare_fault_tolerant_trainer(self, config)
+        prepare_fault_tolerant_trainer(self, config)
 
 
 OWN_CALLBACKS = (FlexDeMoCallback, CheckpointCallback)
 
 
 def _add_own_callbacks(trainer) -> None:
-    """FlexDeMo's callbacks right after the Trainer's default ones, ahead of the reporters and the user's.
+    """FlexDeMo's callbacks right after the Trainer's default ones, ahead of the reporters and the user's (a
+    FlexDeMo Trainer only).
 
     A callback the user passed already (``callbacks=[FlexDeMoCallback(check_every=10)]``) is moved there rather than
     doubled. Ahead of the reporters, FlexDeMo's figures are in the logs that wandb and TensorBoard write.
@@ -218,11 +232,8 @@ def _add_own_callbacks(trainer) -> None:
 
 
 def _refuse_before_training(trainer) -> None:
-    """What cannot train is refused at the Trainer's construction, before any data is loaded."""
+    """What FlexDeMo cannot train is refused at the Trainer's construction, before any data is loaded."""
     args = trainer.args
-    if not is_flexdemo(args):
-        refuse_flexdemo_args_for_other_optimizers(args)
-        return
     kwargs = flexdemo_kwargs(args)  # bad optim_args fail here
     check_simulation_args(args, kwargs.get("simulate_replicas", 1))
     if args.fp16:
@@ -234,18 +245,19 @@ def _trainer_train(original, self, resume_from_checkpoint=None, *args, **kwargs)
     """Resume from the newest *complete* checkpoint (``"auto"``/``True``, an automatic restart, or an earlier run's).
 
     A checkpoint of another model is refused, and one that already finished the run ends it
-    with nothing changed (:mod:`.resume`)."""
+    with nothing changed (:mod:`.resume`). Another optimizer's run is the stock ``train``, untouched."""
+    if not is_flexdemo(self.args):
+        return original(self, resume_from_checkpoint, *args, **kwargs)
     overwrite = getattr(self.args, "overwrite_output_dir", None)  # transformers 4.x only
     # Also refuses an unwritable output_dir.
     resume = resolve_resume(self.args.output_dir, resume_from_checkpoint, overwrite=overwrite)
     if resume is not None:
         check_checkpoint_model(Path(resume), self.model)
         stop_if_complete(Path(resume), self.args)
-    if is_flexdemo(self.args):
-        if resume is not None:
-            check_saved_settings(Path(resume))  # before the rules: a removed one is the cause to name
-        settle_wire(self.args, None if resume is None else Path(resume))
-    if resume is not None and is_flexdemo(self.args):
+    if resume is not None:
+        check_saved_settings(Path(resume))  # before the rules: a removed one is the cause to name
+    settle_wire(self.args, None if resume is None else Path(resume))
+    if resume is not None:
         config = flexdemo_config(self.args)
         _check_resumed_rules(Path(resume), config)
         if config.fault_tolerant:
@@ -303,7 +315,9 @@ _INSTALLED = False
 
 
 def install() -> None:
-    """Register ``optim="flexdemo"`` and wrap the Trainer (idempotent; the list: :mod:`.patches`)."""
+    """Register ``optim="flexdemo"`` and wrap the Trainer for FlexDeMo runs (idempotent; the list: :mod:`.patches`).
+
+    Each wrapper hands a run with another optimizer to the original method untouched."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -315,5 +329,5 @@ def install() -> None:
     wrap("transformers.TrainingArguments.__post_init__", _training_arguments_post_init)
     wrap("transformers.Trainer.__init__", _trainer_init)
     wrap("transformers.Trainer.train", _trainer_train)
-    wrap("transformers.Trainer.save_model", save_model)  # the whole model, also under a sharded state dict
+    wrap("transformers.Trainer.save_model", save_model)  # FlexDeMo's whole model, also under a sharded state dict
     _INSTALLED = True

@@ -14,6 +14,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..config import OWN_KEYS, FlexDeMoConfig, parse_optim_args
+from ..removed import REMOVED_SETTINGS
 
 OPTIM_NAME = "flexdemo"
 FROM_TRAINING_ARGUMENTS = {
@@ -79,7 +80,7 @@ def refuse_flexdemo_args_for_other_optimizers(args: TrainingArguments) -> None:
     """``--optim adamw_torch --optim_args topk=32`` would train AdamW and drop the FlexDeMo settings."""
     text = args.optim_args or ""
     keys = {item.partition("=")[0].strip() for item in text.split(",")}
-    own = sorted(keys & set(OWN_KEYS))
+    own = sorted(keys & {*OWN_KEYS, *REMOVED_SETTINGS})  # a removed setting too (shared_indices): FlexDeMo's
     if own:
         optim = getattr(args.optim, "value", args.optim)
         raise ValueError(

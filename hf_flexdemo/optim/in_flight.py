@@ -1,15 +1,16 @@
 """One step's exchange between starting its collective and applying what came back.
 
 A step packs every bucket's payload into the scheme's one collective (:mod:`hf_flexdemo.wire`),
-and each bucket's ``apply`` later takes its own slice of what was received. With ``overlap`` the
-exchange stays in flight until the next step; under a quorum it also carries what to undo if the
-node does not commit.
+and each bucket's ``apply`` later takes its own slice of what was received. The collective is a real
+process group's, the local stand-in of simulated replicas (:mod:`hf_flexdemo.simulated_replicas`), or
+either left in flight until the next step (``overlap``). A wrapper around the step (fault tolerance)
+may hold it back once complete: its :class:`StepGuard` decides whether the step is applied.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -17,6 +18,29 @@ from ..buckets import Bucket
 from ..schemes import Collective, StepContext
 from ..topology import ReplicaTopology
 from ..wire import Exchange, all_gather_packed, all_reduce_mean_packed
+
+
+class StepGuard(Protocol):
+    """What a wrapper around the step does once the step's exchange is complete (:mod:`hf_flexdemo.fault_tolerance`)."""
+
+    def settle(self) -> bool:
+        """Whether the step is applied; if not, the guard has undone its local part."""
+
+    def applied(self, job: InFlight, parts: list[Any]) -> None:
+        """The step was applied, with ``parts`` as each bucket received them."""
+
+
+class Unguarded:
+    """No wrapper: every step is applied."""
+
+    def settle(self) -> bool:
+        return True
+
+    def applied(self, job: InFlight, parts: list[Any]) -> None:
+        pass
+
+
+UNGUARDED = Unguarded()
 
 
 @dataclass
@@ -31,25 +55,24 @@ class InFlight:
     """Where each bucket's tensors sit in the packed list."""
     grad_bytes: list[int]
     """One parameter's gradient size per bucket (the dense baseline); the gradients themselves are released."""
-    undo: list | None = None
-    """Fault tolerance: what the step changed before its exchange, restored if the node does not commit."""
+    guard: StepGuard = UNGUARDED
+    """What decides, once the exchange is complete, whether the step is applied."""
     decay_in_rules: bool = False
-    """Weight decay waits for the rules, which fold it into their pass over the parameters (under a quorum: after
-    the commit and any catch-up)."""
+    """Weight decay waits for the rules, which fold it into their pass over the parameters (after the guard)."""
     training: bool = True
     """A training step, not a ``synchronize()`` round."""
 
 
 @dataclass
 class EncodedStep:
-    """One step's local part, done: every bucket's payload, ready for the exchange (:meth:`FlexDeMo._send`)."""
+    """One step's local part, done: every bucket's payload, ready for the exchange (:meth:`FlexDeMo.send`)."""
 
     buckets: list[Bucket]
     payloads: list[list[torch.Tensor]]
     grad_bytes: list[int]
     ctx: StepContext
     topology: ReplicaTopology
-    undo: list | None
+    guard: StepGuard
     decay_in_rules: bool
     training: bool
 

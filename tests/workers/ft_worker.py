@@ -52,7 +52,8 @@ from transformers import (
 import hf_flexdemo  # noqa: F401  (registers optim="flexdemo")
 from hf_flexdemo.fault_tolerance.collectives import QuorumGroup
 from hf_flexdemo.fault_tolerance.quorum import StepQuorum
-from hf_flexdemo.optim import FlexDeMo, unwrap_flexdemo
+from hf_flexdemo.fault_tolerance.rounds import QuorumRounds, managed_replicas
+from hf_flexdemo.optim import unwrap_flexdemo
 from hf_flexdemo.topology import parameter_fingerprint
 
 
@@ -95,7 +96,7 @@ class Progress(TrainerCallback):
             self.corrupt_at = 0
 
     def on_step_end(self, args, state, control, optimizer=None, **kw):
-        replicas = unwrap_flexdemo(optimizer).managed
+        replicas = managed_replicas(unwrap_flexdemo(optimizer))
         line = {
             "step": state.global_step,
             "committed": replicas.step,
@@ -122,7 +123,7 @@ def kill_node_in_exchange(trainer: Trainer, at_step: int) -> None:
         original = getattr(QuorumGroup, name)
 
         def die_in_exchange(self, *tensors, _original=original):
-            replicas = unwrap_flexdemo(trainer.optimizer).managed
+            replicas = managed_replicas(unwrap_flexdemo(trainer.optimizer))
             everyone = replicas.topology().size == replicas.identity.replica_groups
             if trainer.state.global_step + 1 >= at_step and everyone and dist.get_rank() == 0:
                 kill_node(os.getppid())  # the launcher, this process and its siblings
@@ -136,7 +137,7 @@ def die_while_serving(armed: Path, once: Path) -> None:
 
     Only the first node to serve dies (it creates ``once``); another node serves normally.
     """
-    original = FlexDeMo.replica_state
+    original = QuorumRounds.replica_state
 
     def serve_then_die(self):
         state = original(self)
@@ -148,7 +149,7 @@ def die_while_serving(armed: Path, once: Path) -> None:
             kill_node(os.getppid())
         return state
 
-    FlexDeMo.replica_state = serve_then_die
+    QuorumRounds.replica_state = serve_then_die
 
 
 def late_vote(trainer: Trainer, armed: Path) -> None:
@@ -195,7 +196,7 @@ def main() -> None:
         "losses": [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h],
         "fingerprint": int(parameter_fingerprint(params)),
         "global_step": trainer.state.global_step,
-        "committed": unwrap_flexdemo(trainer.optimizer).managed.step,
+        "committed": managed_replicas(unwrap_flexdemo(trainer.optimizer)).step,
         "epoch": trainer.state.epoch,
         "samples_per_step": [
             (h["step"], h["flexdemo/samples_per_step"]) for h in trainer.state.log_history if "loss" in h
