@@ -33,16 +33,17 @@ CONFIG = ROOT / "benchmarks" / "link" / "configs" / "cpu_2machines.yaml"
 
 CONFIGS: dict[str, list[str]] = {
     "adamw": ["--optim", "adamw_torch"],
-    "demo": ["--optim", "flexdemo", "--optim_args", "update=sign"],
+    "default": ["--optim", "flexdemo"],  # the package default: wire top128_4bit, the orthogonal rule
+    "demo": ["--optim", "flexdemo", "--optim_args", "wire=demo,update=sign"],
     "demo-bf16": ["--optim", "flexdemo", "--optim_args", "value_dtype=bf16,update=sign"],
-    "demo-overlap": ["--optim", "flexdemo", "--optim_args", "overlap=true,update=sign"],
-    "demo-ortho-adam": ["--optim", "flexdemo"],  # the default rule: orthogonal, adam for the rest
+    "demo-overlap": ["--optim", "flexdemo", "--optim_args", "wire=demo,overlap=true,update=sign"],
+    "demo-ortho-adam": ["--optim", "flexdemo", "--optim_args", "wire=demo"],  # the default rule on DeMo's wire
     "random": ["--optim", "flexdemo", "--optim_args", "scheme=random"],
     "diloco": ["--optim", "flexdemo", "--optim_args", "scheme=diloco,inner_steps=5"],
     "none": ["--optim", "flexdemo", "--optim_args", "scheme=none,update=sign"],
 }
 """What each run trains with; "none" (no inter-node communication at all) is the floor. The DeMo runs
-recorded in BENCHMARKS.md took sign steps (the default then), so they name update=sign."""
+recorded in BENCHMARKS.md took sign steps on DeMo's wire (the defaults then), so they name both."""
 
 DEFAULT_MATRIX = {
     "unlimited": ["adamw", "demo", "random", "diloco", "none"],
