@@ -264,6 +264,14 @@ class BucketBook:
             return self.buckets
         return None
 
+    def forget_step_count(self) -> None:
+        """The step counts changed in the state (an undo, a replay): read them again."""
+        self.host_step = None
+
+    def forget(self) -> None:
+        """The state was replaced (a peer's copy): build the buckets again at the next step."""
+        self.stale = True
+
     def keep(self, buckets: list[Bucket], param_groups: list[dict[str, Any]]) -> list[Bucket]:
         """Keep freshly built buckets, their state created and checked; the step count is read again."""
         self.buckets, self._signature = buckets, _signature(param_groups)

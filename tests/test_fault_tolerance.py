@@ -725,6 +725,28 @@ def test_a_step_the_node_does_not_commit_leaves_no_trace(scheme):
 
 
 @pytest.mark.unit
+def test_a_fault_tolerant_optimizer_that_no_node_wraps_is_refused_at_its_step_and_wraps_after_a_load():
+    """fault_tolerance=torchft in a loop that forgot the wrapper would train alone; a state loaded before wrapping
+    (a resume in one's own loop) keeps the node's own layout."""
+    params = _tiny_params()
+    opt = FlexDeMo(params, lr=0.05, topk=3, chunk=4, fault_tolerance="torchft")
+    for p, g in zip(params, _grads(0, params)):
+        p.grad = g
+    with pytest.raises(
+        RuntimeError, match=r"fault_tolerance='torchft' but no node wraps this optimizer.*wrap_optimizer"
+    ):
+        opt.step()
+    trained = FlexDeMo(_tiny_params(), lr=0.05, topk=3, chunk=4)
+    for p, g in zip(trained.param_groups[0]["params"], _grads(0, params)):
+        p.grad = g
+    trained.step()
+    resumed = FlexDeMo(_tiny_params(), lr=0.05, topk=3, chunk=4)
+    resumed.load_state_dict(trained.state_dict())
+    wrap_optimizer(resumed, OneReplicaQuorum([True]))
+    assert resumed.wrapped_by is not None and resumed.store is not None
+
+
+@pytest.mark.unit
 def test_a_step_under_a_quorum_copies_no_parameters_when_weight_decay_waits_for_the_commit(monkeypatch):
     """The undo snapshot of a step: weight decay moves the parameters only after the vote, so no copy of them."""
     from hf_flexdemo.buckets import Bucket

@@ -30,7 +30,7 @@ class StepPipeline(Protocol):
     applier: RuleApplier
     """Decodes exchanged parts and moves the parameters by their rules (a replayed step too)."""
     book: BucketBook
-    """The buckets and the step count on the host: ``stale`` and ``host_step = None`` make them read again."""
+    """The buckets and the step count on the host: ``forget()`` and ``forget_step_count()`` make them read again."""
     store: StateStore | None
     topology: ReplicaTopology
     """The replicas this optimizer exchanges with (read first, it decides the state's layout)."""

@@ -119,7 +119,8 @@ class ReplicaState:
     def take(self, peer: dict[str, Any]) -> None:
         """Take a peer's parameters and shared state, or the steps to replay; this replica's own momentum stays
         (see fault_tolerance)."""
-        pipeline = self.pipeline  # (nothing is pending: overlap is refused under fault tolerance)
+        pipeline = self.pipeline
+        assert not pipeline.config.overlap, "a peer's state would meet a pending exchange (refused by the config)"
         if pipeline.store is None:  # a node not attached yet keeps its own layout (decided on first use)
             pipeline.topology  # noqa: B018
         if "replay" in peer:
@@ -141,7 +142,7 @@ class ReplicaState:
                 else:  # a count
                     mine.raw[key] = peer_value.clone()
             pipeline.scheme.healed(local_tensor(p), mine)
-        pipeline.book.stale = True  # the state was replaced: the buckets are built again at the next step
+        pipeline.book.forget()  # the state was replaced: the buckets are built again at the next step
 
     def _take_missed_steps(self, peer: dict[str, Any]) -> None:
         """Keep a peer's logged steps for the next commit, when every process of the node replays them together
@@ -185,7 +186,7 @@ class ReplicaState:
             if step.groups:  # a round that changed nothing has no buckets
                 self._replay_step(buckets, step)
             self.replay.record(step)
-        self.pipeline.book.host_step = None  # the step counts moved on: read them again
+        self.pipeline.book.forget_step_count()  # the step counts moved on: read them again
 
     def _replay_step(self, buckets: list[Bucket], step: LoggedStep) -> None:
         """One missed step, as the peers applied it: weight decay, then each bucket's decoded update."""

@@ -42,8 +42,8 @@ def wrap_optimizer(optimizer, replicas) -> QuorumRounds:
             "FlexDeMo: fault tolerance wraps an optimizer that already replicates over a device mesh dimension; "
             "with fault tolerance each node is its own job (one node per launch, no dp_replicate dimension)."
         )
-    if optimizer.store is None:
-        optimizer.attach(None)  # this node's own layout; it meets the others through the quorum's group
+    if optimizer.store is None:  # this node's own layout, also for a state loaded before (it meets the others
+        optimizer.topology  # noqa: B018  (through the quorum's group)
     rounds = QuorumRounds(optimizer)
     rounds.attach(replicas)
     optimizer.wrapped_by = rounds
@@ -166,7 +166,7 @@ class QuorumRounds:
         joined = self.enter(sync_only=False)
         if joined is None:  # the job finished meanwhile: this gradient would be a step past its end
             undo_local_step(encoded.guard.saved)
-            pipeline.book.host_step = None  # the step counts went back
+            pipeline.book.forget_step_count()  # the step counts went back
             return False
         ctx = step_context(
             pipeline.config, pipeline.scheme, self._this_step(), sync_only=False, topology=self.topology()
@@ -174,7 +174,7 @@ class QuorumRounds:
         if joined.drop_gradient or ctx.replicate != encoded.ctx.replicate:
             if not joined.drop_gradient:  # (a heal that copied a peer's state replaced the encoding with the rest)
                 undo_local_step(encoded.guard.saved)
-            pipeline.book.host_step = None  # the step counts went back, or are the peer's
+            pipeline.book.forget_step_count()  # the step counts went back, or are the peer's
             return self._run_in_round(joined, sync_only=False)
         for moving, bucket in zip(encoded.buckets, buckets):  # the quorum's hyperparameters: a heal may have moved
             moving.group = dict(bucket.group)  # them on
@@ -275,7 +275,7 @@ class QuorumRounds:
         committed, this node first replays the steps it missed."""
         if not self.managed.commit():
             restore(undo)  # the step did not happen, on this node or any other
-            self.pipeline.book.host_step = None  # the step counts went back: read them again
+            self.pipeline.book.forget_step_count()  # the step counts went back: read them again
             return False
         with self.managed.clock.timing("catch_up"):
             self.replica.catch_up()
