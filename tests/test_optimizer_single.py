@@ -461,3 +461,18 @@ def test_sparseloco_sends_top_k_and_keeps_the_rest_in_its_error_feedback(value_b
         torch.testing.assert_close(sent + sparse.state[params[i]]["outer_error"], pseudo_gradient, rtol=1e-5, atol=1e-6)
     sent = anchors[3] - params[3].detach()  # (20, 12) in 4x4 tiles: 2 of every 16 entries
     assert 0 < (sent != 0).float().mean() <= 2 / 16
+
+
+def test_a_closure_is_evaluated_with_gradients_on_and_its_loss_returned():
+    """torch's contract: ``step(closure)`` re-evaluates the model (``step`` itself runs under no_grad)."""
+    params = [torch.nn.Parameter(torch.ones(4, 4))]
+    opt = FlexDeMo(params, lr=0.1, topk=2, chunk=4, elementwise=[])
+
+    def closure():
+        opt.zero_grad()
+        loss = (params[0] ** 2).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure).item() == 16.0 and not torch.equal(params[0].detach(), torch.ones(4, 4))
+    assert opt.step() is None

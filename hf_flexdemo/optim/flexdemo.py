@@ -208,10 +208,8 @@ class FlexDeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         self._run(sync_only=False)
         return loss
 
