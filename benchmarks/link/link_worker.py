@@ -50,7 +50,8 @@ def main() -> None:
     trainer.add_callback(timer)
     trainer.train()
     metrics = trainer.evaluate(metric_key_prefix="eval")
-    flexdemo = next(c for c in trainer.callback_handler.callbacks if isinstance(c, FlexDeMoCallback))
+    # A FlexDeMo run's figures; AdamW's Trainer has no FlexDeMo callback (the import leaves it stock)
+    flexdemo = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FlexDeMoCallback)), None)
     if trainer.is_world_process_zero():
         warm = timer.times[2:]  # the first steps pay for allocation and warm-up
         result = {
@@ -64,7 +65,7 @@ def main() -> None:
             "eval_history": [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h],
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
             "eval_loss": metrics["eval_loss"],
-            "figures": flexdemo.figures,
+            "figures": flexdemo.figures if flexdemo is not None else {},
             "parameters": sum(p.numel() for p in trainer.model.parameters()),
             "threads": torch.get_num_threads(),
         }
