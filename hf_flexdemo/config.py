@@ -63,17 +63,21 @@ def _packed(topk: int, value_bits: int) -> dict[str, Any]:
 
 
 WIRE_PRESETS: dict[str, dict[str, Any]] = {
-    "demo": {"topk": 32, "value_bits": 0, "pack_indices": False, "index_coding": "fixed"},
     "top128_4bit": _packed(128, 4),
     "top96_2bit": _packed(96, 2),
+    "top64_1bit": _packed(64, 1),
     "2bit": _packed(32, 2),
-    "top24_2bit": _packed(24, 2),
     "top4_1bit": {"topk": 4, "value_bits": 1, "pack_indices": True, "index_coding": "fixed"},  # no gain at 4
 }
-"""``wire=NAME``: the measured wire formats, from DeMo's own (fp32 values, 16-bit indices) to the most compressed.
-Their bytes and loss: docs/update-rules.md, "Choosing a wire format"."""
+"""``wire=NAME``: the presets, the frontier of bytes against a whole run's loss, from the default to the most
+compressed. Their bytes, links and loss: README.md, "Choosing a wire"."""
+DEMO_WIRE = {"topk": 32, "value_bits": 0, "pack_indices": False, "index_coding": "fixed"}
+"""DeMo's own wire (fp32 values, 16-bit indices): the default before the long runs, which it lost (more bytes than
+the default for a loss above AdamW-HSDP's). ``wire=demo`` names it, so that those runs resume with it."""
+NAMED_WIRES: dict[str, dict[str, Any]] = {"demo": DEMO_WIRE, **WIRE_PRESETS}
+"""Every name ``wire=`` takes."""
 WIRE_KNOBS = "topk, value_bits, pack_indices and index_coding"
-"""What every preset sets."""
+"""What every named wire sets."""
 DEFAULT_WIRE = "top128_4bit"
 """The wire of scheme='demo' when neither ``wire`` nor any of its knobs is given: the long runs' winner
 (BENCHMARKS.md, "Which wire is the default, over a whole run?"). Before it, the default was ``demo``."""
@@ -89,7 +93,7 @@ KNOBS_NOT_GIVEN = {"value_bits": 0, "pack_indices": False, "index_coding": "fixe
 
 def preset_knobs(name: str) -> str:
     """``"topk, value_bits, pack_indices and index_coding"``: the settings ``wire=name`` sets, for a message."""
-    keys = list(WIRE_PRESETS[name])
+    keys = list(NAMED_WIRES[name])
     return f"{', '.join(keys[:-1])} and {keys[-1]}"
 
 
@@ -263,7 +267,7 @@ class WireSettings:
     wire: str | None = field(
         default=None,
         metadata={
-            "help": f"demo: a measured wire format by name, one of {list(WIRE_PRESETS)}; it sets {WIRE_KNOBS} (a knob "
+            "help": f"demo: a measured wire format by name, one of {list(NAMED_WIRES)}; it sets {WIRE_KNOBS} (a knob "
             f"also given must agree). Unset: {DEFAULT_WIRE!r} on scheme='demo' where no knob, chunk or value_dtype "
             "is given."
         },
@@ -525,14 +529,14 @@ class FlexDeMoConfig(FaultToleranceSettings, ExecutionSettings, WireSettings, Re
                 setattr(self, key, value)
 
     def _set_preset_knobs(self) -> None:
-        check_choice("wire", self.wire, tuple(WIRE_PRESETS))
+        check_choice("wire", self.wire, tuple(NAMED_WIRES))
         if not self.traits.dct:
             raise ValueError(
                 f"FlexDeMo: wire={self.wire!r} names a format of scheme='demo', not scheme={self.scheme!r}; drop wire, "
                 f"or set the scheme's own knobs ({preset_knobs(self.wire)})."
             )
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for key, value in WIRE_PRESETS[self.wire].items():
+        for key, value in NAMED_WIRES[self.wire].items():
             given = getattr(self, key)
             if given != defaults[key] and given != value:
                 raise ValueError(
@@ -674,7 +678,7 @@ def parse_optim_args(text: str | None) -> dict[str, Any]:
 def check_knobs_beside_wire(given: dict[str, Any], where: str) -> None:
     """A knob given beside ``wire`` must be the preset's, even at its default: given, it was meant."""
     wire = given.get("wire")
-    preset = WIRE_PRESETS.get(wire, {})
+    preset = NAMED_WIRES.get(wire, {})
     for key, value in given.items():
         if key in preset and value != preset[key]:
             raise ValueError(

@@ -13,8 +13,8 @@ from typing import Any
 
 LAST_COMMIT = "17d8727"
 """The commit that last had every piece below unless :data:`LAST_COMMITS` names another."""
-LAST_COMMITS = {"shared_indices": "74cba10"}
-"""Pieces taken out later: name -> the commit that last had them."""
+LAST_COMMITS = {"shared_indices": "74cba10", "wire=top24_2bit": "a3f78d8"}
+"""Pieces taken out later: name (or ``setting=value``) -> the commit that last had them."""
 FINDINGS = "BENCHMARKS.md, 'Findings: options taken out'"
 
 REMOVED_SETTINGS: dict[str, tuple[str, str]] = {
@@ -62,9 +62,17 @@ REMOVED_VALUES: dict[tuple[str, str], tuple[str, str]] = {
         "pack_indices=true,index_coding=elias_fano",
     ),
     ("wire", "top16_2bit"): (
-        "it lost to AdamW-HSDP on two of three presets (+3.3%, +2.6%), where top24_2bit and top4_1bit cover its "
+        "it lost to AdamW-HSDP on two of three presets (+3.3%, +2.6%), where top24_2bit (since removed too) and "
+        "top4_1bit covered its "
         "link speeds",
-        "write wire=top24_2bit or wire=top4_1bit",
+        "write wire=2bit or wire=top4_1bit",
+    ),
+    ("wire", "top24_2bit"): (
+        "over a whole run it ended +4.0% against AdamW-HSDP (OLMo2 263K, 20 tokens per parameter, seed 0, rate "
+        "bracketed) where 2bit, at 1.26x its bytes, ended +2.8%; the presets became the frontier of bytes against a "
+        "whole run's loss, and its narrow link band (290 to 370 Mbit/s) went to 2bit and top4_1bit",
+        "write wire=2bit, or wire=top4_1bit below about 370 Mbit/s, or spell its knobs out: "
+        "topk=24,value_bits=2,pack_indices=true,index_coding=elias_fano",
     ),
 }
 """Values of a kept setting taken out: (setting, value) -> (why; what to write instead)."""
@@ -82,7 +90,7 @@ def removed_reason(key: str, value: Any = None) -> str | None:
     """``"<why>. The finding: ...; the code: commit ...."`` if ``key`` (or ``key=value``) was taken out, else
     None."""
     entry = _entry(key, value)
-    commit = LAST_COMMITS.get(key, LAST_COMMIT)
+    commit = LAST_COMMITS.get(key if key in REMOVED_SETTINGS else f"{key}={value}", LAST_COMMIT)
     return None if entry is None else f"{entry[0]}. The finding: {FINDINGS}; the code: commit {commit}."
 
 

@@ -96,7 +96,8 @@ BAD = [
     (dict(shared_indices=True), "shared_indices was removed", "+9.8% against it"),
     (dict(scheme="lowrank"), "scheme=lowrank was removed", "17d8727"),
     (dict(wire="top144_c128_2bit"), "wire=top144_c128_2bit was removed", "wire=2bit"),
-    (dict(wire="top16_2bit"), "wire=top16_2bit was removed", "wire=top24_2bit"),
+    (dict(wire="top16_2bit"), "wire=top16_2bit was removed", "wire=2bit or wire=top4_1bit"),
+    (dict(wire="top24_2bit"), "wire=top24_2bit was removed", "commit a3f78d8"),
 ]
 
 
@@ -264,24 +265,25 @@ def test_a_summary_lists_the_settings_that_act(kwargs, acting, ignored):
 
 
 def test_a_wire_preset_sets_its_knobs_and_refuses_a_knob_that_disagrees():
-    from hf_flexdemo.config import WIRE_PRESETS, parse_optim_args
+    from hf_flexdemo.config import NAMED_WIRES, WIRE_PRESETS, parse_optim_args
 
-    for name, knobs in WIRE_PRESETS.items():
+    for name, knobs in NAMED_WIRES.items():
         config = FlexDeMoConfig.from_optim_args(f"wire={name}")
         assert {key: getattr(config, key) for key in knobs} == knobs
     assert FlexDeMoConfig(wire="2bit", topk=32).topk == 32  # a knob that agrees is fine
-    with pytest.raises(ValueError, match=r"wire='top24_2bit' sets topk=24, but topk=16 is given too; drop topk"):
-        FlexDeMoConfig(wire="top24_2bit", topk=16)
+    with pytest.raises(ValueError, match=r"wire='top64_1bit' sets topk=64, but topk=16 is given too; drop topk"):
+        FlexDeMoConfig(wire="top64_1bit", topk=16)
     # In optim_args a knob given at its default is still given: refused, not silently replaced.
-    with pytest.raises(ValueError, match=r"wire='top24_2bit' sets topk=24, but topk=32 is given too"):
-        parse_optim_args("wire=top24_2bit,topk=32")
-    with pytest.raises(ValueError, match=r"wire='top24_2bit' sets topk=24, but topk=32 is given too"):
-        FlexDeMoConfig(wire="top24_2bit", topk=32)  # topk is None until given: 32 written is 32 meant
+    with pytest.raises(ValueError, match=r"wire='top64_1bit' sets topk=64, but topk=32 is given too"):
+        parse_optim_args("wire=top64_1bit,topk=32")
+    with pytest.raises(ValueError, match=r"wire='top64_1bit' sets topk=64, but topk=32 is given too"):
+        FlexDeMoConfig(wire="top64_1bit", topk=32)  # topk is None until given: 32 written is 32 meant
     # So in FlexDeMo(...)'s keywords: written beside the preset, a default value was meant, not to be replaced.
-    with pytest.raises(ValueError, match=r"FlexDeMo: wire='top24_2bit' sets topk=24, but topk=32 is given too"):
-        FlexDeMo([torch.nn.Parameter(torch.zeros(4))], wire="top24_2bit", topk=32)
-    assert list(WIRE_PRESETS) == ["demo", "top128_4bit", "top96_2bit", "2bit", "top24_2bit", "top4_1bit"]
-    allowed = r"wire must be one of \('demo', 'top128_4bit', 'top96_2bit', '2bit', 'top24_2bit', 'top4_1bit'\)"
+    with pytest.raises(ValueError, match=r"FlexDeMo: wire='top64_1bit' sets topk=64, but topk=32 is given too"):
+        FlexDeMo([torch.nn.Parameter(torch.zeros(4))], wire="top64_1bit", topk=32)
+    # The presets: the frontier of bytes against a whole run's loss, at most 5; demo names DeMo's own wire
+    assert list(WIRE_PRESETS) == ["top128_4bit", "top96_2bit", "top64_1bit", "2bit", "top4_1bit"]
+    allowed = r"wire must be one of \('demo', 'top128_4bit', 'top96_2bit', 'top64_1bit', '2bit', 'top4_1bit'\)"
     with pytest.raises(ValueError, match=r"wire='fast' is invalid; " + allowed):
         FlexDeMoConfig(wire="fast")
     with pytest.raises(ValueError, match=r"wire='2bit' names a format of scheme='demo', not scheme='diloco'"):

@@ -101,13 +101,13 @@ def test_orthogonal_update_leaves_embeddings_and_head_to_the_elementwise_rule(to
 
 
 def test_a_wire_preset_in_optim_args_sets_every_groups_tiles(tok, tmp_path):
-    """``wire=top24_2bit`` sets topk in each group the Trainer builds (weight decay splits them)."""
+    """``wire=top64_1bit`` sets topk in each group the Trainer builds (weight decay splits them)."""
     from hf_flexdemo.optim import unwrap_flexdemo
 
-    trainer = flexdemo_llama_trainer(tok, tmp_path, rows=8, optim_args="wire=top24_2bit", weight_decay=0.1)
+    trainer = flexdemo_llama_trainer(tok, tmp_path, rows=8, optim_args="wire=top64_1bit", weight_decay=0.1)
     opt = unwrap_flexdemo(trainer.create_optimizer())
-    assert len(opt.param_groups) >= 2 and opt.config.index_coding == "elias_fano" and opt.config.value_bits == 2
-    assert {(g["chunk"], g["topk"]) for g in opt.param_groups} == {(64, 24)}
+    assert len(opt.param_groups) >= 2 and opt.config.index_coding == "elias_fano" and opt.config.value_bits == 1
+    assert {(g["chunk"], g["topk"]) for g in opt.param_groups} == {(64, 64)}
 
 
 @pytest.mark.lowest

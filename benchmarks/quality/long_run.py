@@ -183,7 +183,7 @@ LONG_CONFIGS = {
     "wire_top128_1bit": LongConfig("flexdemo", f"{EF},topk=128,value_bits=1,{ORTHO}", SIMULATED, 8e-3, ("top128_1bit", 1)),
     "wire_top96_2bit": LongConfig("flexdemo", f"wire=top96_2bit,{ORTHO}", SIMULATED, 8e-3, ("top96_2bit", 1)),
     "wire_top64_8bit": LongConfig("flexdemo", f"{EF},topk=64,value_bits=8,{ORTHO}", SIMULATED, 8e-3, ("top64_8bit", 1)),
-    "wire_top24_2bit": LongConfig("flexdemo", f"wire=top24_2bit,{ORTHO}", SIMULATED, 8e-3, ("top24_2bit", 1)),
+    "wire_top24_2bit": LongConfig("flexdemo", f"{EF},topk=24,value_bits=2,{ORTHO}", SIMULATED, 8e-3, ("top24_2bit", 1)),
     "wire_top32_1bit": LongConfig("flexdemo", f"{EF},topk=32,value_bits=1,{ORTHO}", SIMULATED, 8e-3, ("top32_1bit", 1)),
     "wire_top4_1bit": LongConfig("flexdemo", f"wire=top4_1bit,{ORTHO}", SIMULATED, 8e-3, ("top4_1bit", 1)),
     # about 1,000x: wire=2bit's coefficients every 4 steps, Muon's step inside; replicas apart between outer steps

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))  # benchma
 from gpu_step import build_model  # noqa: E402
 
 from hf_flexdemo.compression import ChunkPlan
-from hf_flexdemo.config import WIRE_PRESETS, FlexDeMoConfig
+from hf_flexdemo.config import NAMED_WIRES, FlexDeMoConfig
 from hf_flexdemo.optim.counters import ByteCounters, bf16_dense_bytes, x_fewer_than_bf16_dense
 from hf_flexdemo.schemes import build_scheme
 from hf_flexdemo.schemes.sparse_wire import TopKWire
@@ -68,7 +68,7 @@ def main() -> None:
     rows = []
     print(f"{args.model}: {dense / 1e9:.2f} GB of bf16 gradients per step (a dense all-reduce, 2 nodes)")
     print("| wire | MB per step | x fewer than dense | at 100 Mbit/s | at 1 Gbit/s | the link bounds the step below |")
-    for name in WIRE_PRESETS:
+    for name in NAMED_WIRES:  # the presets, and demo for reference
         sent = preset_bytes(shapes, name)
         row = {
             "wire": name,
